@@ -1,0 +1,357 @@
+"""Benchmark one training step of ``mlx_fsdp.ddp_step`` against ``mlx_fsdp.fsdp_step``.
+
+Both modes train their own copy of the same MLP (same seed, hence the same
+initial weights on every rank and in both modes) with AdamW on the same
+per-rank random batch (each rank has different data; cross-entropy loss).
+One run measures, per rank:
+
+* **Step time**: ``nn.value_and_grad`` + ``opt.update`` + ``mx.eval`` of the
+  loss, the parameters and the optimizer state, timed with
+  ``time.perf_counter``. The median is over ``--steps`` timed steps that follow
+  ``--warmup`` untimed ones. DDP and FSDP steps are interleaved (ABBA order:
+  D F F D D F ...) in one phase where both models live, so that machine noise,
+  thermal drift and a neighbour's load hit both modes alike.
+* **Peak memory**: ``mx.get_peak_memory()`` is process-wide, so it is measured
+  in two separate isolation phases, one per mode, *before* the timing phase.
+  Each phase starts from a clean process state (``gc.collect()``,
+  ``mx.clear_cache()``, ``mx.reset_peak_memory()``), builds that mode's model
+  and optimizer, runs ``max(warmup, 1) + 2`` steps (the AdamW state exists
+  from step 1, so the peak is reached by step 2), records the peak and then
+  drops the model, optimizer and gradients. Only the shared input batch
+  (identical in both phases) is alive besides the measured mode, so the
+  difference between the two peaks is due to the mode alone. The peak counts
+  everything MLX allocates: parameters, gradients, optimizer state,
+  activations, communication buffers and temporaries.
+* **Optimizer-state bytes**: the sum of ``nbytes`` of all arrays in
+  ``opt.state`` with at least one dimension (``mlx.utils.tree_flatten``).
+  Scalars (``step``, ``learning_rate``, ``grad_norm``) are skipped: they are a
+  few bytes and the same in both modes. The ideal FSDP/DDP ratio is ``1/N``;
+  FSDP pads every array to a multiple of ``N`` so it can be a little above.
+
+Numbers are gathered from all ranks; the table reports the maximum over ranks
+(the slowest / fullest rank bounds the step). Only rank 0 prints. The header
+line names the reduce-scatter method FSDP uses on this backend (ring and MPI
+have no ``sum_scatter``, so it is an ``all_sum`` followed by a slice there).
+
+After the timing phase the largest parameter difference between the two
+models is printed as a sanity check: both took the same steps on the same
+data. Without clipping (``--max-norm 0``) it is exactly 0. With clipping the
+float32 global norm is summed in a different order (full arrays vs. shards
+then ``all_sum``), so the clip scales differ in the last digits; AdamW turns
+such tiny differences into differences of up to a few ``lr`` for elements
+whose gradient is near zero, so values of order ``lr * steps`` are expected.
+
+Run it from the repository root, no installation needed::
+
+    python benchmarks/bench_step.py --steps 3 --warmup 1          # one process
+    mlx.launch -n 2 --backend ring -- python benchmarks/bench_step.py
+    mpirun -np 2 python benchmarks/bench_step.py
+
+Add ``--json PATH`` to also write the numbers as JSON.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+import mlx_fsdp  # noqa: E402
+
+MB = 1024**2
+MODES = ("ddp", "fsdp")
+
+
+class MLP(nn.Module):
+    """A stack of ``layers`` square ``Linear`` layers with ReLU in between.
+
+    Args:
+        hidden (int): Input width, hidden width and number of classes.
+        layers (int): Number of ``Linear(hidden, hidden)`` layers (>= 1).
+    """
+
+    def __init__(self, hidden: int, layers: int):
+        super().__init__()
+        self.layers = [nn.Linear(hidden, hidden) for _ in range(layers)]
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def loss_fn(model, x, y):
+    """Mean cross-entropy of the model's logits (computed in float32)."""
+    return nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="mean")
+
+
+def parse_args(argv=None):
+    """Parse the command line.
+
+    Args:
+        argv (list, optional): Arguments; ``None`` means ``sys.argv[1:]``.
+
+    Returns:
+        argparse.Namespace: The options.
+    """
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch (default 32)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
+    p.add_argument(
+        "--communication-size",
+        type=int,
+        default=32 * MB,
+        help="bucket size in bytes for both modes (default 32 MiB)",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--max-norm", type=float, default=1.0, help="gradient clipping norm; <= 0 disables"
+    )
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model seed (same on all ranks)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.layers < 1 or args.hidden < 1 or args.batch < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--hidden, --layers, --batch, --steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def make_batch(args, rank: int):
+    """A random batch that differs per rank and is reproducible.
+
+    Args:
+        args (argparse.Namespace): The options.
+        rank (int): This process's rank.
+
+    Returns:
+        tuple: ``(x, y)``: inputs of shape ``(batch, hidden)`` in ``--dtype`` and
+        integer class targets of shape ``(batch,)``.
+    """
+    kx, ky = mx.random.split(mx.random.key(10_000 + rank))
+    x = mx.random.normal((args.batch, args.hidden), key=kx).astype(getattr(mx, args.dtype))
+    y = mx.random.randint(0, args.hidden, (args.batch,), key=ky)
+    mx.eval(x, y)
+    return x, y
+
+
+def build(mode: str, args):
+    """Create a fresh model (from ``--seed``) and its distributed optimizer.
+
+    Args:
+        mode (str): ``"ddp"`` or ``"fsdp"``.
+        args (argparse.Namespace): The options.
+
+    Returns:
+        tuple: ``(model, opt, step_fn)`` where ``step_fn(x, y)`` runs one full,
+        evaluated training step.
+    """
+    mx.random.seed(args.seed)
+    model = MLP(args.hidden, args.layers)
+    model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    wrap = mlx_fsdp.ddp_step if mode == "ddp" else mlx_fsdp.fsdp_step
+    opt = wrap(
+        optim.AdamW(learning_rate=args.lr),
+        max_norm=args.max_norm if args.max_norm > 0 else None,
+        communication_size=args.communication_size,
+    )
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step_fn(x, y):
+        loss, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+        return loss
+
+    return model, opt, step_fn
+
+
+def timed(step_fn, x, y) -> float:
+    """Run one step and return its wall time in milliseconds."""
+    t0 = time.perf_counter()
+    step_fn(x, y)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the non-scalar arrays in ``opt.state`` (scalars are skipped)."""
+    return sum(
+        v.nbytes for _, v in tree_flatten(opt.state) if isinstance(v, mx.array) and v.ndim > 0
+    )
+
+
+def clean_slate():
+    """Free everything unreferenced and reset the peak-memory counter."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+def memory_phase(mode: str, args, x, y) -> dict:
+    """Measure one mode's peak memory with no other model alive.
+
+    Args:
+        mode (str): ``"ddp"`` or ``"fsdp"``.
+        args (argparse.Namespace): The options.
+        x (mlx.core.array): This rank's inputs.
+        y (mlx.core.array): This rank's targets.
+
+    Returns:
+        dict: ``peak_bytes``, ``state_bytes`` and the (non-interleaved) step
+        times in ms of this phase as ``isolated_step_ms``.
+    """
+    clean_slate()
+    model, opt, step_fn = build(mode, args)
+    times = [timed(step_fn, x, y) for _ in range(max(args.warmup, 1) + 2)]
+    out = {
+        "peak_bytes": mx.get_peak_memory(),
+        "state_bytes": state_bytes(opt),
+        "isolated_step_ms": times,
+    }
+    del model, opt, step_fn
+    clean_slate()
+    return out
+
+
+def timing_phase(args, x, y):
+    """Time DDP and FSDP steps interleaved in ABBA order.
+
+    Args:
+        args (argparse.Namespace): The options.
+        x (mlx.core.array): This rank's inputs.
+        y (mlx.core.array): This rank's targets.
+
+    Returns:
+        tuple: ``(times, max_param_diff)`` with ``times[mode]`` the list of
+        timed step durations in ms, and the largest absolute difference between
+        the two models' parameters at the end.
+    """
+    built = {m: build(m, args) for m in MODES}
+    times = {m: [] for m in MODES}
+    for i in range(args.warmup + args.steps):
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        for m in order:
+            t = timed(built[m][2], x, y)
+            if i >= args.warmup:
+                times[m].append(t)
+    diff = max(
+        mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+        for (_, a), (_, b) in zip(
+            tree_flatten(built["ddp"][0].parameters()), tree_flatten(built["fsdp"][0].parameters())
+        )
+    )
+    return times, diff
+
+
+def gather(group, values):
+    """All-gather a list of floats (as float32) and return one row per rank."""
+    if group.size() == 1:
+        return [list(values)]
+    rows = mx.distributed.all_gather(mx.array([values], dtype=mx.float32), group=group)
+    return rows.tolist()
+
+
+def main(argv=None):
+    """Run the benchmark and print (rank 0) the table and the ratios."""
+    args = parse_args(argv)
+    group = mx.distributed.init()
+    rank, n = group.rank(), group.size()
+    x, y = make_batch(args, rank)
+    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
+
+    mem = {m: memory_phase(m, args, x, y) for m in MODES}
+    times, diff = timing_phase(args, x, y)
+    # A collective probe on the first call: every rank must make it.
+    method = mlx_fsdp.reduce_scatter_method(group) if n > 1 else "none (one process)"
+
+    local = []
+    for m in MODES:
+        local += [
+            statistics.median(times[m]),
+            mem[m]["peak_bytes"] / MB,
+            mem[m]["state_bytes"] / MB,
+        ]
+    rows = gather(group, local)
+    # Max over ranks, per column.
+    worst = [max(r[i] for r in rows) for i in range(len(local))]
+    res = {}
+    for j, m in enumerate(MODES):
+        ms, peak, st = worst[3 * j : 3 * j + 3]
+        res[m] = {
+            "step_ms_median": ms,
+            "peak_mb": peak,
+            "state_mb": st,
+            "per_rank": [
+                {"step_ms_median": r[3 * j], "peak_mb": r[3 * j + 1], "state_mb": r[3 * j + 2]}
+                for r in rows
+            ],
+        }
+        if rank == 0:
+            res[m]["rank0_step_ms"] = times[m]
+            res[m]["rank0_isolated_step_ms"] = mem[m]["isolated_step_ms"]
+            res[m]["rank0_state_bytes"] = mem[m]["state_bytes"]
+            res[m]["rank0_peak_bytes"] = mem[m]["peak_bytes"]
+
+    if rank != 0:
+        return
+    d, f = res["ddp"], res["fsdp"]
+    ratios = {
+        "time": f["step_ms_median"] / d["step_ms_median"],
+        "peak_memory": f["peak_mb"] / d["peak_mb"],
+        "state_bytes": f["rank0_state_bytes"] / d["rank0_state_bytes"],
+        "ideal_state_bytes": 1.0 / n,
+    }
+    print(
+        f"world size {n}; MLP {args.layers}x{args.hidden} "
+        f"({n_params / 1e6:.2f}M params, {args.dtype}), batch {args.batch}/rank, "
+        f"AdamW lr {args.lr}, max_norm {args.max_norm if args.max_norm > 0 else None}, "
+        f"communication_size {args.communication_size} B, "
+        f"FSDP reduce-scatter method: {method}; "
+        f"{args.steps} timed + {args.warmup} warm-up steps per mode (interleaved)"
+    )
+    print()
+    print("| mode | step ms (median) | peak MB | state MB |")
+    print("|------|-----------------:|--------:|---------:|")
+    for m in MODES:
+        r = res[m]
+        print(f"| {m} | {r['step_ms_median']:.1f} | {r['peak_mb']:.1f} | {r['state_mb']:.2f} |")
+    print()
+    print(f"time ratio fsdp/ddp: {ratios['time']:.3f}")
+    print(f"peak memory ratio fsdp/ddp: {ratios['peak_memory']:.3f}")
+    print(
+        f"state bytes ratio fsdp/ddp: {ratios['state_bytes']:.4f} "
+        f"(ideal 1/N = {ratios['ideal_state_bytes']:.4f})"
+    )
+    print(f"max |param_ddp - param_fsdp| after the timing phase: {diff:.3g}")
+
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {
+                    "world_size": n,
+                    "config": vars(args),
+                    "num_params": n_params,
+                    "results": res,
+                    "ratios": ratios,
+                    "max_param_diff": diff,
+                    "reduce_scatter_method": method,
+                },
+                fh,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Fully sharded data parallel optimizer steps for MLX.
+
+Wrap any element-wise ``mlx.optimizers`` optimizer with :func:`fsdp_step` and
+each rank keeps and updates 1/N of the optimizer state, with the same result
+as plain data parallelism (:func:`ddp_step`).
+"""
+
+from .collectives import reduce_scatter_method, supports_sum_scatter
+from .compat import fsdp_apply_gradients
+from .ddp import ReplicatedOptimizer, ddp_step
+from .fsdp import ShardedOptimizer, fsdp_step
+from .hybrid import hybrid_groups
+from .plan import Plan, build_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fsdp_step",
+    "ddp_step",
+    "fsdp_apply_gradients",
+    "hybrid_groups",
+    "ShardedOptimizer",
+    "ReplicatedOptimizer",
+    "Plan",
+    "build_plan",
+    "reduce_scatter_method",
+    "supports_sum_scatter",
+    "__version__",
+]

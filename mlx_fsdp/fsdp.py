@@ -1,0 +1,183 @@
+"""``fsdp_step``: an optimizer wrapper whose state and work are split over ranks."""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from . import _trees, placement
+from .hybrid import check_hybrid
+from .sharded import apply_sharded, check_state_fits, plan_for, shard_tree, sub_optimizers
+from .step import local_piece
+from .consistency import verify_plan
+from .wrapper import DistributedOptimizer
+
+
+class ShardedOptimizer(DistributedOptimizer):
+    """An optimizer whose state lives in 1/N shards, one per rank.
+
+    Create it with :func:`fsdp_step`. Every rank keeps the full model; the
+    gradients are reduce-scattered, each rank updates its shard with the
+    wrapped optimizer, and the updated shards are all-gathered.
+
+    The wrapped optimizer's state (``opt.state["optimizer"]``) holds, for each
+    sub-optimizer, ``state["shards"][path]``: this rank's ``(cols,)`` piece of
+    the parameter at ``path`` (row ``rank`` of its zero-padded ``(N, cols)``
+    layout, see :mod:`mlx_fsdp.plan`), so it depends on the world size but not
+    on ``communication_size``. With a single process it is exactly the plain
+    optimizer's state.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        group=None,
+        dp_group=None,
+        communication_size: int = 32 * 1024**2,
+        max_norm: Optional[float] = None,
+        communication_stream: Optional[mx.Stream] = None,
+    ):
+        super().__init__(optimizer, group, max_norm)
+        placement.check_supported(optimizer)
+        check_hybrid(self.group, dp_group)
+        if not isinstance(communication_size, int) or isinstance(communication_size, bool):
+            raise ValueError(
+                f"communication_size={communication_size!r} must be an int number "
+                "of bytes (<= 0 puts every array in its own bucket)."
+            )
+        self.dp_group = dp_group
+        self.communication_size = communication_size
+        self.communication_stream = communication_stream
+        self._verified = set()
+        self._plan = None
+
+    @property
+    def plan(self):
+        """The :class:`~mlx_fsdp.plan.Plan` of the last step (``None`` on one rank)."""
+        return self._plan
+
+    def _on_state_set(self):
+        self._plan = None
+
+    def _check_same_plan(self, plan):
+        if self._plan is None:
+            check_state_fits(plan, self.optimizer)
+            self._plan = plan
+        elif plan is not self._plan and plan != self._plan:
+            raise ValueError(
+                "The gradient tree changed since the optimizer state was built: "
+                f"it was for {self._plan.num_arrays} arrays ({self._plan.num_elements} "
+                f"elements), now there are {plan.num_arrays} ({plan.num_elements}). "
+                "The sharded state cannot follow; create a new fsdp_step for the "
+                "new tree (or call init with model.trainable_parameters())."
+            )
+
+    def apply_gradients(self, gradients, parameters):
+        """Apply gradients and return the updated parameters.
+
+        Args:
+            gradients (dict): This rank's local gradients.
+            parameters (dict): The parameters, or the model itself. It can be a
+                superset of the gradients; the result has the gradients' structure.
+
+        Returns:
+            dict: The updated full parameters, the same on every rank.
+        """
+        new, norm, _ = apply_sharded(
+            gradients,
+            parameters,
+            self.optimizer,
+            group=self.group,
+            dp_group=self.dp_group,
+            communication_size=self.communication_size,
+            max_norm=self.max_norm,
+            stream=self.communication_stream,
+            verified=self._verified,
+            on_plan=self._check_same_plan,
+        )
+        self._set_grad_norm(norm)
+        return new
+
+    def init(self, parameters):
+        """Initialize this rank's shard of the optimizer state.
+
+        Optional, as with MLX optimizers; useful to see :attr:`state` before the
+        first step. Every rank must call it (it checks the plan across ranks).
+
+        Args:
+            parameters (dict): The trainable parameters, e.g.
+                ``model.trainable_parameters()``.
+        """
+        n = self.group.size()
+        if n * (self.dp_group.size() if self.dp_group is not None else 1) == 1:
+            self.optimizer.init(parameters)
+            return
+        flat, flat_params = _trees.match(parameters, parameters)
+        plan = plan_for(flat, flat_params, self.optimizer, n, self.communication_size)
+        if plan.fingerprint() not in self._verified:
+            verify_plan(plan, self.group, "shard group")
+            if self.dp_group is not None:
+                verify_plan(plan, self.dp_group, "replica group (dp_group)")
+            self._verified.add(plan.fingerprint())
+        rank = self.group.rank()
+        for o, opt in enumerate(sub_optimizers(self.optimizer)):
+            pieces = shard_tree(plan, o, lambda s: local_piece(s, flat_params[s.index], rank))
+            opt.init({"shards": pieces})
+        self._check_same_plan(plan)
+
+
+def fsdp_step(
+    optimizer,
+    *,
+    group: Optional[mx.distributed.Group] = None,
+    dp_group: Optional[mx.distributed.Group] = None,
+    communication_size: int = 32 * 1024**2,
+    max_norm: Optional[float] = None,
+    communication_stream: Optional[mx.Stream] = None,
+) -> ShardedOptimizer:
+    """Wrap an optimizer so that its state and its work are sharded over ranks.
+
+    The result is used like the optimizer itself, and gives the same training
+    result as data parallelism with the plain optimizer on averaged gradients:
+
+    .. code-block:: python
+
+        opt = mlx_fsdp.fsdp_step(optim.AdamW(learning_rate=3e-4), max_norm=1.0)
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+
+    Each step buckets the gradients by dtype (at most ``communication_size``
+    bytes per bucket), lays every array out as ``(N, cols)`` with zero padding,
+    reduce-scatters each bucket, clips by the global norm, runs the optimizer on
+    this rank's shard and all-gathers the updated parameters. The first step
+    checks across ranks that every rank built the same plan.
+
+    Args:
+        optimizer (mlx.optimizers.Optimizer): An element-wise optimizer (SGD,
+            RMSprop, Adagrad, AdaDelta, Adam, AdamW, Adamax, Lion) or a
+            ``MultiOptimizer`` of them.
+        group (mlx.core.distributed.Group, optional): The shard group. ``None``
+            means the global group. Default: ``None``.
+        dp_group (mlx.core.distributed.Group, optional): The replica group for
+            hybrid sharding (see :func:`mlx_fsdp.hybrid_groups`); gradients are
+            also summed over it. Default: ``None``.
+        communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
+            array in its own bucket. Default: ``32 MiB``.
+        max_norm (float, optional): Clip the averaged gradients to this global
+            norm; the norm before clipping is then in ``opt.grad_norm``.
+            Default: ``None``.
+        communication_stream (mlx.core.Stream, optional): Stream for the
+            collectives. Default: ``None``.
+
+    Returns:
+        ShardedOptimizer: The wrapper.
+    """
+    return ShardedOptimizer(
+        optimizer,
+        group=group,
+        dp_group=dp_group,
+        communication_size=communication_size,
+        max_norm=max_norm,
+        communication_stream=communication_stream,
+    )

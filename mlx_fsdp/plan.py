@@ -1,0 +1,219 @@
+"""The sharding plan: which arrays share a bucket and where each one lives.
+
+A plan is pure data derived from the gradient tree's paths, shapes and dtypes,
+the world size and the byte budget. Every rank builds the same plan, so it can
+be compared across ranks with one small collective, printed, and (later)
+written into checkpoints.
+
+Layout. Every array of ``size`` elements is viewed as ``(N, cols)`` with
+``cols = ceil(size / N)``, zero-padded at the end when ``size`` does not
+divide by ``N``. A bucket concatenates its arrays along axis 1, so row ``r``
+of a bucket is rank ``r``'s shard: a contiguous ``cols``-long piece of every
+array in it.
+"""
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+import mlx.core as mx
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The short name of an MLX dtype, e.g. ``"bfloat16"``."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One array's place in a bucket.
+
+    Attributes:
+        path (str): The array's path in the tree, as ``tree_flatten`` names it.
+        index (int): The array's position in the flattened gradient tree.
+        shape (tuple): The array's full shape.
+        size (int): Number of elements.
+        cols (int): Elements of this array on each rank: ``ceil(size / N)``.
+        offset (int): First column of this array in the bucket's shard.
+    """
+
+    path: str
+    index: int
+    shape: Tuple[int, ...]
+    size: int
+    cols: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Arrays reduced, updated and gathered together.
+
+    Attributes:
+        dtype (str): The gradients' dtype, which is also the communication dtype.
+        param_dtype (str): The parameters' dtype.
+        optimizer (int): Index of the sub-optimizer that updates this bucket
+            (always 0 unless the optimizer is a ``MultiOptimizer``).
+        slots (tuple[Slot]): The arrays, in tree order.
+        cols (int): Length of each rank's shard of the bucket.
+    """
+
+    dtype: str
+    param_dtype: str
+    optimizer: int
+    slots: Tuple[Slot, ...]
+    cols: int
+
+    def nbytes(self, world_size: int) -> int:
+        """Bytes of the packed ``(N, cols)`` bucket, padding included."""
+        return world_size * self.cols * getattr(mx, self.dtype).size
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a gradient tree is bucketed and sharded over ``world_size`` ranks.
+
+    Attributes:
+        world_size (int): Number of ranks the arrays are split over.
+        communication_size (int): The byte budget of a bucket.
+        buckets (tuple[Bucket]): The buckets, in the order they are reduced.
+    """
+
+    world_size: int
+    communication_size: int
+    buckets: Tuple[Bucket, ...]
+
+    @property
+    def num_arrays(self) -> int:
+        return sum(len(b.slots) for b in self.buckets)
+
+    @property
+    def num_elements(self) -> int:
+        return sum(s.size for b in self.buckets for s in b.slots)
+
+    @property
+    def num_padding(self) -> int:
+        """Zeros added in all, over all ranks."""
+        return sum(self.world_size * s.cols - s.size for b in self.buckets for s in b.slots)
+
+    def fingerprint(self) -> str:
+        """A hex digest that differs whenever any field of the plan differs."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()
+
+    def __str__(self):
+        lines = [
+            f"Plan: {self.num_arrays} arrays, {self.num_elements} elements, "
+            f"{len(self.buckets)} buckets, N={self.world_size}, "
+            f"budget={self.communication_size} bytes, padding={self.num_padding}"
+        ]
+        for i, b in enumerate(self.buckets):
+            lines.append(
+                f"  bucket {i}: {b.dtype} (params {b.param_dtype}), optimizer "
+                f"{b.optimizer}, {len(b.slots)} arrays, shard {b.cols} elements, "
+                f"{b.nbytes(self.world_size)} bytes packed"
+            )
+            for s in b.slots:
+                lines.append(
+                    f"    {s.path} {s.shape}: cols [{s.offset}, {s.offset + s.cols})"
+                    f", padding {self.world_size * s.cols - s.size}"
+                )
+        return "\n".join(lines)
+
+
+#: (path, shape, grad dtype name, param dtype name, optimizer index) per array.
+Signature = Tuple[Tuple[str, Tuple[int, ...], str, str, int], ...]
+
+
+def _check_signature(signature: Signature):
+    if not signature:
+        raise ValueError(
+            "The gradient tree is empty: there is nothing to shard. Pass the "
+            "gradients of the model's trainable parameters, e.g. from "
+            "nn.value_and_grad(model, loss_fn)."
+        )
+    for path, shape, dtype, param_dtype, _ in signature:
+        for name, what in ((dtype, "gradient"), (param_dtype, "parameter")):
+            if not mx.issubdtype(getattr(mx, name), mx.floating):
+                raise ValueError(
+                    f"The {what} at '{path}' has dtype {name}; sharded updates "
+                    "need floating-point arrays. Freeze it (model.freeze(keys=...)) "
+                    "or leave it out of the gradient tree."
+                )
+
+
+@functools.lru_cache(maxsize=64)
+def build_plan(signature: Signature, world_size: int, communication_size: int) -> Plan:
+    """Build (or fetch from the cache) the plan for a tree signature.
+
+    Arrays are grouped by (sub-optimizer, gradient dtype, parameter dtype), in
+    tree order; a bucket is closed before an array that would take it past
+    ``communication_size`` bytes, so an array larger than the budget gets a
+    bucket of its own.
+
+    Args:
+        signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer)``
+            for every array, in tree order. See :func:`signature_of`.
+        world_size (int): Number of ranks to shard over.
+        communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
+            array in a bucket of its own.
+
+    Returns:
+        Plan: The plan.
+    """
+    _check_signature(signature)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer.")
+
+    groups = {}
+    for index, (path, shape, dtype, param_dtype, optimizer) in enumerate(signature):
+        groups.setdefault((optimizer, dtype, param_dtype), []).append((index, path, shape))
+
+    buckets = []
+    for (optimizer, dtype, param_dtype), entries in groups.items():
+        itemsize = getattr(mx, dtype).size
+        current, used = [], 0
+        for index, path, shape in entries:
+            size = 1
+            for d in shape:
+                size *= d
+            cols = -(-size // world_size)
+            nbytes = world_size * cols * itemsize
+            if current and (communication_size <= 0 or used + nbytes > communication_size):
+                buckets.append(_close(dtype, param_dtype, optimizer, current))
+                current, used = [], 0
+            current.append((path, index, tuple(shape), size, cols))
+            used += nbytes
+        buckets.append(_close(dtype, param_dtype, optimizer, current))
+    return Plan(world_size, int(communication_size), tuple(buckets))
+
+
+def _close(dtype, param_dtype, optimizer, entries) -> Bucket:
+    slots, offset = [], 0
+    for path, index, shape, size, cols in entries:
+        slots.append(Slot(path, index, shape, size, cols, offset))
+        offset += cols
+    return Bucket(dtype, param_dtype, optimizer, tuple(slots), offset)
+
+
+def signature_of(
+    flat_grads: Sequence[Tuple[str, mx.array]],
+    flat_params: Sequence[mx.array],
+    optimizer_of: Sequence[int] = None,
+) -> Signature:
+    """The hashable description of a flat gradient tree that a plan is built from.
+
+    Args:
+        flat_grads (list): ``(path, gradient)`` pairs from ``tree_flatten``.
+        flat_params (list): The matching parameters, in the same order.
+        optimizer_of (list[int], optional): Sub-optimizer index of each array.
+            Default: all ``0``.
+
+    Returns:
+        tuple: The signature.
+    """
+    optimizer_of = optimizer_of or [0] * len(flat_grads)
+    return tuple(
+        (path, tuple(g.shape), dtype_name(g.dtype), dtype_name(p.dtype), o)
+        for (path, g), p, o in zip(flat_grads, flat_params, optimizer_of)
+    )

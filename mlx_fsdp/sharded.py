@@ -1,0 +1,148 @@
+"""The sharded step over trees: what ``fsdp_step`` and ``fsdp_apply_gradients`` share."""
+
+from typing import Any, Callable, Optional, Set, Tuple
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from . import _trees, clip, collectives, placement
+from .consistency import verify_plan
+from .plan import Plan, build_plan, signature_of
+from .step import sharded_update
+
+
+def sub_optimizers(optimizer) -> list:
+    """The optimizers that update buckets: a ``MultiOptimizer``'s parts, or itself."""
+    if isinstance(optimizer, optim.MultiOptimizer):
+        return list(optimizer.optimizers)
+    return [optimizer]
+
+
+def assign_optimizers(flat_grads, optimizer) -> list:
+    """Which sub-optimizer updates each array.
+
+    ``MultiOptimizer`` filters are called with the full path and the full
+    gradient, exactly as ``MultiOptimizer`` itself calls them, never with a shard.
+    """
+    if not isinstance(optimizer, optim.MultiOptimizer):
+        return [0] * len(flat_grads)
+    out = []
+    for path, g in flat_grads:
+        for i, fn in enumerate(optimizer.filters):
+            if fn(path, g):
+                out.append(i)
+                break
+    return out
+
+
+def plan_for(
+    flat_grads, flat_params, optimizer, world_size: int, communication_size: int
+) -> Plan:
+    """The (cached) plan for a flat gradient tree."""
+    owners = assign_optimizers(flat_grads, optimizer)
+    return build_plan(
+        signature_of(flat_grads, flat_params, owners), world_size, communication_size
+    )
+
+
+def shard_tree(plan: Plan, optimizer_index: int, values) -> dict:
+    """``{path: values[path]}`` for the parameters one sub-optimizer updates."""
+    return {
+        s.path: values(s)
+        for b in plan.buckets
+        if b.optimizer == optimizer_index
+        for s in b.slots
+    }
+
+
+def check_state_fits(plan: Plan, optimizer):
+    """Raise if the optimizer holds shard state made for a different plan.
+
+    A state made for another tree or world size has pieces of other lengths,
+    which would fail deep inside the update or, worse, broadcast silently.
+    """
+    for o, opt in enumerate(sub_optimizers(optimizer)):
+        states = opt.state.get("shards")
+        if states is None:
+            continue
+        expected = shard_tree(plan, o, lambda s: s.cols)
+        if set(states) != set(expected) or any(
+            v.ndim >= 1 and v.shape[0] != expected[path]
+            for path, s in states.items()
+            for v in s.values()
+            if isinstance(v, mx.array)
+        ):
+            raise ValueError(
+                "The optimizer state does not fit this step's plan "
+                f"({plan.num_arrays} arrays sharded over N={plan.world_size}); it "
+                "was made for another gradient tree or world size. Keep those "
+                "fixed for one optimizer, or start from a fresh optimizer."
+            )
+
+
+def apply_sharded(
+    gradients: Any,
+    parameters: Any,
+    optimizer,
+    *,
+    group: mx.distributed.Group,
+    dp_group: Optional[mx.distributed.Group],
+    communication_size: int,
+    max_norm: Optional[float],
+    stream: Optional[mx.Stream],
+    verified: Set[str],
+    on_plan: Optional[Callable[[Plan], None]] = None,
+) -> Tuple[Any, Optional[mx.array], Optional[Plan]]:
+    """One sharded step on trees.
+
+    Args:
+        gradients: This rank's local gradients.
+        parameters: The parameters (a superset of the gradients' paths).
+        optimizer (mlx.optimizers.Optimizer): Holds this rank's shard state.
+        group (mlx.core.distributed.Group): The shard group.
+        dp_group (mlx.core.distributed.Group, optional): The replica group.
+        communication_size (int): Bucket byte budget.
+        max_norm (float, optional): Global-norm clipping bound.
+        stream (mlx.core.Stream, optional): Communication stream.
+        verified (set): Plan fingerprints already checked across ranks; the
+            caller keeps it between steps, this function adds to it.
+        on_plan (callable, optional): Called with the plan before any update,
+            e.g. to check that the optimizer state fits it.
+
+    Returns:
+        tuple: The updated parameters (shaped like ``gradients``), the gradient
+        norm before clipping (or ``None``), and the plan (``None`` on one rank).
+    """
+    placement.check_supported(optimizer)
+    n = group.size()
+    replicas = dp_group.size() if dp_group is not None else 1
+    flat_grads, flat_params = _trees.match(gradients, parameters)
+    if n * replicas == 1:
+        # One process: exactly the plain optimizer.
+        norm = None
+        if max_norm is not None:
+            gradients, norm = clip.clip_tree(gradients, max_norm)
+        return optimizer.apply_gradients(gradients, parameters), norm, None
+
+    plan = plan_for(flat_grads, flat_params, optimizer, n, communication_size)
+    key = plan.fingerprint()
+    if key not in verified:
+        verify_plan(plan, group, "shard group")
+        if dp_group is not None:
+            verify_plan(plan, dp_group, "replica group (dp_group)")
+        verified.add(key)
+    if on_plan is not None:
+        on_plan(plan)
+    method = collectives.reduce_scatter_method(group)
+    new_params, norm = sharded_update(
+        plan,
+        [g for _, g in flat_grads],
+        flat_params,
+        sub_optimizers(optimizer),
+        group,
+        dp_group,
+        max_norm=max_norm,
+        method=method,
+        stream=stream,
+    )
+    return _trees.like(gradients, new_params), norm, plan

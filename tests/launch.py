@@ -1,0 +1,91 @@
+"""Launch real ranks from pytest: ring at N=2, MPI for N=3..8, always under a hard timeout."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKERS = os.path.join(HERE, "workers")
+
+
+def _mlx_launch():
+    local = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    return local if os.path.exists(local) else shutil.which("mlx.launch")
+
+
+def mpi_env():
+    """The environment for MPI ranks.
+
+    MLX opens ``libmpi.so``; Debian's openmpi-bin ships only ``libmpi.so.40``
+    (the bare name comes with libopenmpi-dev), so point MLX_MPI_LIBNAME at it.
+    """
+    env = dict(os.environ)
+    if "MLX_MPI_LIBNAME" not in env:
+        libs = glob.glob("/usr/lib/*/libmpi.so") + glob.glob("/usr/lib/*/libmpi.so.[0-9]*")
+        libs = [l for l in libs if "libmpi.so" in os.path.basename(l)]
+        if libs:
+            env["MLX_MPI_LIBNAME"] = os.path.basename(sorted(libs, key=len)[0])
+    return env
+
+
+def command(n: int, script: str, args, backend: str):
+    path = os.path.join(WORKERS, script)
+    if backend == "ring":
+        launcher = _mlx_launch()
+        if launcher is None:
+            pytest.fail("mlx.launch was not found next to the Python interpreter or on PATH")
+        return [launcher, "-n", str(n), "--backend", "ring", "--", sys.executable, path, *args]
+    if backend == "mpi":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.fail("mpirun is not installed: apt-get install -y openmpi-bin (see .ci/run)")
+        return [mpirun, "--allow-run-as-root", "--oversubscribe", "-x", "MLX_MPI_LIBNAME",
+                "-x", "PYTHONPATH", "-n", str(n), sys.executable, path, *args]
+    raise ValueError(f"backend={backend!r} must be 'ring' or 'mpi'")
+
+
+def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: float = 240,
+              expect_failure: bool = False):
+    """Run ``tests/workers/<script>`` on ``n`` ranks and return rank 0's RESULT records.
+
+    Args:
+        n: Number of ranks. Default backend: ring for 2, MPI otherwise.
+        script: File name in tests/workers.
+        args: Extra command-line arguments.
+        backend: "ring" or "mpi". Default: chosen from ``n``.
+        timeout: Seconds before the whole launch is killed and the test fails
+            with a message naming the hang.
+        expect_failure: Return (returncode, output) instead of asserting success.
+    """
+    backend = backend or ("ring" if n == 2 else "mpi")
+    env = mpi_env()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = command(n, script, [str(a) for a in args], backend)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=WORKERS, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(
+            f"HANG: {script} on {n} ranks ({backend}) did not finish in {timeout:.0f}s; "
+            f"a collective is probably waiting on a rank that never joined.\n"
+            f"command: {' '.join(cmd)}\n--- output ---\n{out[-4000:]}"
+        )
+    if expect_failure:
+        return proc.returncode, out
+    if proc.returncode != 0:
+        pytest.fail(f"{script} on {n} ranks ({backend}) exited with {proc.returncode}\n"
+                    f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")
+    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    assert results, f"{script} printed no RESULT line:\n{out[-4000:]}"
+    return results

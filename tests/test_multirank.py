@@ -1,0 +1,101 @@
+"""Real ranks: ring at N=2, MPI at N=3 and N=4, each launch under a hard timeout.
+
+Every comparison is against code that is not ours: plain ``mlx.optimizers`` on
+gradients averaged in one process (the reference), and ``ddp_step``, which is
+``mlx.nn.average_gradients`` plus the plain optimizer.
+"""
+
+import pytest
+
+from launch import run_ranks
+
+F32_TOL = 1e-5
+BF16_ULP_AT_ONE = 2.0**-7  # one bfloat16 ulp for values in [1, 2): a bound for |w| < 2
+
+OPTIMIZERS = ["sgd", "adam", "adamw", "lion"]
+
+
+def _configs(bf16):
+    # Clipping with tiny buckets (many buckets, every array padded differently)
+    # and no clipping with the default 32 MiB budget (one bucket per dtype).
+    return [f"{o}:0.5:300:{bf16}" for o in OPTIMIZERS] + [f"{o}:-1:33554432:{bf16}" for o in OPTIMIZERS]
+
+
+def _check(results, vs_reference=True):
+    assert len(results) == 2 * len(OPTIMIZERS)
+    for r in results:
+        cfg = r["config"]
+        assert r["fsdp_ddp_f32"] <= F32_TOL, r
+        assert r["fsdp_ddp_bf16"] <= BF16_ULP_AT_ONE, r
+        if vs_reference:
+            assert r["fsdp_ref_f32"] <= F32_TOL, r
+            assert r["fsdp_ref_bf16"] <= BF16_ULP_AT_ONE, r
+        if ":0.5:" in cfg:
+            assert r["clipped"] >= 1, f"clipping never engaged in {cfg}: the test would not see it"
+            assert r["norm_ddp"] <= 1e-5 and (not vs_reference or r["norm_ref"] <= 1e-5), r
+            assert r["buckets"] > 3, r
+        else:
+            assert r["buckets"] == (2 if "bfloat16" in r["dtypes"] else 1), r
+
+
+def test_parity_ring_n2_with_bf16_part():
+    results = run_ranks(2, "parity.py", [4, *_configs(1)])
+    for r in results:
+        assert r["dtypes"] == ["bfloat16", "float32"]
+        assert r["param_dtypes"]["table.weight"] == "bfloat16", "a bf16 parameter must stay bf16"
+    _check(results)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_parity_mpi_fp32_against_plain_mlx(n):
+    _check(run_ranks(n, "parity.py", [4, *_configs(0)]))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_parity_mpi_bf16_part_against_ddp(n):
+    # The reference sums bfloat16 gradients in another order than MPI's
+    # all-reduce, which rounds differently; DDP uses the same all-reduce.
+    _check(run_ranks(n, "parity.py", [4, *_configs(1)]), vs_reference=False)
+
+
+def test_state_and_peak_memory_below_ddp_at_n2():
+    (r,) = run_ranks(2, "memory.py", [512, 4])
+    assert r["fsdp_state"] <= r["ddp_state"] * (1 / 2 + 0.02), r
+    assert r["fsdp_peak"] < r["ddp_peak"], r
+
+
+def test_state_bytes_one_quarter_at_n4():
+    (r,) = run_ranks(4, "memory.py", [256, 3])
+    assert r["fsdp_state"] <= r["ddp_state"] * (1 / 4 + 0.02), r
+
+
+def test_hybrid_shard_by_replica_on_mpi_4():
+    (r,) = run_ranks(4, "hybrid.py")
+    assert (r["shard_size"], r["replica_size"]) == (2, 2)
+    assert r["max_diff"] <= F32_TOL, r
+    assert r["state_fraction"] < 0.55, r
+
+
+def test_hybrid_on_ring_says_split_is_missing():
+    (r,) = run_ranks(2, "hybrid.py")
+    assert "Group.split" in r["error"] and "MPI or NCCL" in r["error"], r
+
+
+def test_dropin_behaves_like_mlx_031():
+    (r,) = run_ranks(2, "dropin.py")
+    assert r["plain_is_tree"] and r["norm_shape"] == []
+    assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 1e-5, r
+
+
+def test_compiled_step_equals_eager():
+    (r,) = run_ranks(2, "compiled.py")
+    assert r["steps"] == 5
+    assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("kind", ["extra_array", "shape"])
+def test_trees_differing_across_ranks_raise_on_every_rank(kind):
+    code, out = run_ranks(2, "mismatch.py", [kind], timeout=120, expect_failure=True)
+    for rank in (0, 1):
+        assert f"rank {rank}: ValueError: The gradient trees differ across the ranks" in out, out
+    assert "NO ERROR" not in out

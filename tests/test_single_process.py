@@ -1,0 +1,198 @@
+"""One process: the wrappers equal plain MLX exactly, and bad input gets clear errors."""
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx_fsdp
+from mlx_fsdp.hybrid import check_hybrid
+from mlx_fsdp.plan import build_plan
+from mlx_fsdp.sharded import check_state_fits
+from workers.common import batch, loss_fn, make_model
+
+
+def _same(a, b):
+    return all(mx.array_equal(x, y) for (_, x), (_, y) in zip(tree_flatten(a), tree_flatten(b)))
+
+
+@pytest.mark.parametrize("wrap", [mlx_fsdp.fsdp_step, mlx_fsdp.ddp_step])
+@pytest.mark.parametrize("max_norm", [None, 0.3])
+def test_one_process_is_exactly_the_plain_optimizer(wrap, max_norm):
+    model, ref_model = make_model(bf16=False), make_model(bf16=False)
+    opt = wrap(optim.AdamW(learning_rate=1e-2), max_norm=max_norm)
+    ref = optim.AdamW(learning_rate=1e-2)
+    for step in range(3):
+        _, g = nn.value_and_grad(model, loss_fn)(model, *batch(step, 0))
+        opt.update(model, g)
+        _, g = nn.value_and_grad(ref_model, loss_fn)(ref_model, *batch(step, 0))
+        if max_norm is not None:
+            g, norm = optim.clip_grad_norm(g, max_norm)
+            assert mx.array_equal(opt.grad_norm, norm)
+        ref.update(ref_model, g)
+        mx.eval(model.parameters(), ref_model.parameters(), opt.state, ref.state)
+        assert _same(model.parameters(), ref_model.parameters())
+    assert _same(opt.state["optimizer"], ref.state)
+    assert opt.step.item() == 3
+
+
+def test_multioptimizer_on_one_process():
+    model, ref_model = make_model(bf16=False), make_model(bf16=False)
+
+    def multi():
+        return optim.MultiOptimizer(
+            [optim.SGD(learning_rate=0.1), optim.Adam(learning_rate=1e-2)],
+            [lambda path, g: g.ndim == 1],
+        )
+
+    opt, ref = mlx_fsdp.fsdp_step(multi()), multi()
+    for step in range(2):
+        _, g = nn.value_and_grad(model, loss_fn)(model, *batch(step, 0))
+        opt.update(model, g)
+        _, g = nn.value_and_grad(ref_model, loss_fn)(ref_model, *batch(step, 0))
+        ref.update(ref_model, g)
+    mx.eval(model.parameters(), ref_model.parameters())
+    assert _same(model.parameters(), ref_model.parameters())
+
+
+def test_compile_with_state_inputs_and_outputs():
+    model, ref_model = make_model(), make_model()
+    opt = mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-2), max_norm=0.5)
+    ref = mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-2), max_norm=0.5)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, g = nn.value_and_grad(model, loss_fn)(model, x, y)
+        opt.update(model, g)
+        return loss
+
+    for i in range(3):
+        step(*batch(i, 0))
+        _, g = nn.value_and_grad(ref_model, loss_fn)(ref_model, *batch(i, 0))
+        ref.update(ref_model, g)
+        mx.eval(state, ref_model.parameters(), ref.state)
+        assert mx.allclose(opt.grad_norm, ref.grad_norm)
+    for (_, a), (_, b) in zip(tree_flatten(model.parameters()), tree_flatten(ref_model.parameters())):
+        assert mx.allclose(a, b, atol=1e-6)
+
+
+def test_learning_rate_is_forwarded_and_settable():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
+    assert opt.learning_rate.item() == pytest.approx(0.1)
+    opt.learning_rate = 0.05
+    assert opt.optimizer.learning_rate.item() == pytest.approx(0.05)
+
+
+def test_schedule_steps_like_the_plain_optimizer():
+    sched = optim.linear_schedule(1.0, 0.0, 10)
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=sched))
+    params = {"w": mx.ones((3,))}
+    for _ in range(4):
+        params = opt.apply_gradients({"w": mx.ones((3,))}, params)
+    mx.eval(params)
+    # Steps 0..3 used learning rates 1.0, 0.9, 0.8, 0.7.
+    assert params["w"].tolist() == pytest.approx([1 - 3.4] * 3)
+    assert opt.step.item() == 4
+
+
+def test_non_finite_gradients_show_in_grad_norm():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), max_norm=1.0)
+    out = opt.apply_gradients({"w": mx.array([1.0, float("nan")])}, {"w": mx.ones((2,))})
+    mx.eval(out)
+    assert mx.isnan(opt.grad_norm).item()
+    opt.apply_gradients({"w": mx.array([1.0, float("inf")])}, {"w": mx.ones((2,))})
+    assert mx.isinf(opt.grad_norm).item()
+
+
+def test_grad_norm_is_none_without_clipping():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
+    opt.apply_gradients({"w": mx.ones((2,))}, {"w": mx.ones((2,))})
+    assert opt.grad_norm is None
+
+
+def test_dropin_on_one_process_returns_like_mlx_031():
+    opt, ref = optim.SGD(learning_rate=0.1), optim.SGD(learning_rate=0.1)
+    params, grads = {"w": mx.ones((2, 3))}, {"w": mx.full((2, 3), 2.0)}
+    out = mlx_fsdp.fsdp_apply_gradients(grads, params, opt)
+    assert mx.array_equal(out["w"], ref.apply_gradients(grads, params)["w"])
+    out, norm = mlx_fsdp.fsdp_apply_gradients(grads, params, opt, max_norm=1.0)
+    assert norm.item() == pytest.approx(24**0.5)
+
+
+# Bad input -----------------------------------------------------------------
+
+
+def test_not_an_optimizer():
+    with pytest.raises(ValueError, match="not an mlx.optimizers.Optimizer"):
+        mlx_fsdp.fsdp_step(lambda g: g)
+
+
+@pytest.mark.parametrize("bad", [-1.0, "1", True])
+def test_bad_max_norm(bad):
+    with pytest.raises(ValueError, match="max_norm=.* must be a non-negative number"):
+        mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), max_norm=bad)
+
+
+def test_bad_communication_size():
+    with pytest.raises(ValueError, match="communication_size=1.5 must be an int"):
+        mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), communication_size=1.5)
+
+
+@pytest.mark.parametrize("opt", [optim.Muon(learning_rate=0.02), optim.Adafactor()])
+def test_shape_aware_optimizers_are_refused_not_approximated(opt):
+    with pytest.raises(ValueError, match="not known to be element-wise"):
+        mlx_fsdp.fsdp_step(opt)
+    multi = optim.MultiOptimizer([opt, optim.AdamW(learning_rate=1e-3)], [lambda p, g: g.ndim == 2])
+    with pytest.raises(ValueError, match="Muon and Adafactor need whole matrices"):
+        mlx_fsdp.fsdp_step(multi)
+
+
+def test_gradient_without_a_parameter():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="'v' has no parameter at that path"):
+        opt.apply_gradients({"v": mx.ones((2,))}, {"w": mx.ones((2,))})
+
+
+def test_gradient_with_the_wrong_shape():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match=r"'w' has shape \(3,\) but the parameter has shape \(2,\)"):
+        opt.apply_gradients({"w": mx.ones((3,))}, {"w": mx.ones((2,))})
+
+
+def test_state_setter_needs_the_wrappers_layout():
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="'optimizer' entry"):
+        opt.state = {"step": mx.array(0)}
+
+
+def test_state_made_for_another_plan_is_refused():
+    plan = build_plan((("w", (7, 15), "float32", "float32", 0),), 2, 0)
+    opt = optim.Adam(learning_rate=1e-3)
+    opt.init({"shards": {"w": mx.zeros((53,))}})
+    check_state_fits(plan, opt)  # 105 elements over 2 ranks: 53 each
+    bad = optim.Adam(learning_rate=1e-3)
+    bad.init({"shards": {"w": mx.zeros((35,))}})  # made for N=3
+    with pytest.raises(ValueError, match="does not fit this step's plan"):
+        check_state_fits(plan, bad)
+
+
+class _G:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_hybrid_groups_must_tile_the_world():
+    with pytest.raises(ValueError, match="product must be the world size 1"):
+        check_hybrid(_G(2), _G(2))
+
+
+def test_hybrid_shard_size_must_divide():
+    with pytest.raises(ValueError, match="shard_size=3 must be a positive integer that divides"):
+        mlx_fsdp.hybrid_groups(3)

@@ -1,0 +1,99 @@
+"""Shared by the multi-rank worker scripts: a small model with awkward shapes."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+IN = 15
+
+
+class OddModel(nn.Module):
+    """Odd shapes ((7, 15), (15, 3), (16, 17)...), a scalar and a bfloat16 layer."""
+
+    def __init__(self, bf16: bool = True):
+        super().__init__()
+        self.inp = nn.Linear(IN, 7)
+        self.mix = mx.random.normal((7, 15)) * 0.2
+        self.proj = mx.random.normal((15, 3)) * 0.2
+        self.scale = mx.array(0.75)
+        self.wide = nn.Linear(3, 16)
+        self.table = nn.Linear(16, 17)
+        if bf16:
+            self.table.set_dtype(mx.bfloat16)
+        self.out = nn.Linear(17, 5)
+
+    def __call__(self, x):
+        h = nn.relu(self.inp(x))
+        h = nn.tanh(h @ self.mix) @ self.proj * self.scale
+        h = nn.relu(self.wide(h))
+        h = self.table(h.astype(self.table.weight.dtype)).astype(mx.float32)
+        return self.out(h)
+
+
+def loss_fn(model, x, y):
+    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+
+def batch(step: int, rank: int, size: int = 6):
+    """The local batch of ``rank`` at ``step``: the same on any process."""
+    key = mx.random.key(1000 * step + rank)
+    kx, ky = mx.random.split(key)
+    x = mx.random.normal((size, IN), key=kx)
+    y = mx.random.randint(0, 5, (size,), key=ky)
+    return x, y
+
+
+def make_model(seed: int = 0, bf16: bool = True):
+    mx.random.seed(seed)
+    model = OddModel(bf16)
+    mx.eval(model.parameters())
+    return model
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.SGD(learning_rate=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda: optim.Adam(learning_rate=1e-2),
+    "adamw": lambda: optim.AdamW(learning_rate=1e-2, weight_decay=0.05),
+    "lion": lambda: optim.Lion(learning_rate=1e-3, weight_decay=0.01),
+}
+
+
+def averaged_grads(model, step, world):
+    """Plain-MLX reference: the mean of every rank's local gradients."""
+    vg = nn.value_and_grad(model, loss_fn)
+    total = None
+    for r in range(world):
+        _, g = vg(model, *batch(step, r))
+        total = g if total is None else tree_map(lambda a, b: a + b, total, g)
+    return tree_map(lambda a: a / world, total)
+
+
+def reference_clip(grads, max_norm):
+    """mlx.optimizers.clip_grad_norm, with bfloat16 leaves summed in float32."""
+    up = tree_map(lambda g: g.astype(mx.float32), grads)
+    _, norm = optim.clip_grad_norm(up, max_norm)
+    scale = mx.minimum(max_norm / (norm + 1e-6), 1.0)
+    return tree_map(lambda g: (g * scale).astype(g.dtype), grads), norm
+
+
+def max_diff(a, b, dtype=None):
+    """Largest absolute difference over the leaves of two trees (optionally one dtype)."""
+    worst = 0.0
+    for (k, x), (_, y) in zip(tree_flatten(a), tree_flatten(b)):
+        if dtype is not None and x.dtype != dtype:
+            continue
+        assert x.dtype == y.dtype, (k, x.dtype, y.dtype)
+        worst = max(worst, mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item())
+    return worst
+
+
+def report(group, **values):
+    if group.rank() == 0:
+        print("RESULT " + json.dumps(values), flush=True)

@@ -1,0 +1,52 @@
+"""Optimizer-state bytes and peak memory per rank, DDP vs FSDP, one phase each.
+
+Usage: memory.py HIDDEN LAYERS
+"""
+
+import gc
+import sys
+
+from common import report
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+import mlx_fsdp
+
+
+def state_bytes(state):
+    # Arrays with a dimension: the per-element state (not step / learning_rate).
+    return sum(v.nbytes for _, v in tree_flatten(state) if v.ndim)
+
+
+def phase(make_opt, hidden, layers, group):
+    mx.random.seed(0)
+    model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
+    mx.eval(model.parameters())
+    opt = make_opt(optim.AdamW(learning_rate=1e-3))
+    vg = nn.value_and_grad(model, lambda m, x: (m(x) ** 2).mean())
+    x = mx.random.normal((8, hidden), key=mx.random.key(group.rank()))
+    for step in range(3):
+        if step == 1:  # after the first step built the state and the plan
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+        _, g = vg(model, x)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+        del g
+    result = state_bytes(opt.state), mx.get_peak_memory()
+    del model, opt
+    gc.collect()
+    mx.clear_cache()
+    return result
+
+
+group = mx.distributed.init()
+hidden, layers = int(sys.argv[1]), int(sys.argv[2])
+ddp_state, ddp_peak = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden, layers, group)
+fsdp_state, fsdp_peak = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden, layers, group)
+report(group, n=group.size(), ddp_state=ddp_state, fsdp_state=fsdp_state,
+       ddp_peak=ddp_peak, fsdp_peak=fsdp_peak)
