@@ -268,6 +268,14 @@ def main(argv=None):
     args = parse_args(argv)
     group = mx.distributed.init()
     rank, n = group.rank(), group.size()
+    launched = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+    if n == 1 and launched > 1:
+        print(
+            f"warning: launched as {launched} MPI processes but MLX formed a group of 1 "
+            "(is MLX's MPI backend available? mx.distributed.is_available('mpi')); "
+            "every process runs alone.",
+            file=sys.stderr,
+        )
     x, y = make_batch(args, rank)
     n_params = args.layers * (args.hidden * args.hidden + args.hidden)
 
