@@ -6,9 +6,15 @@ import mlx.core as mx
 
 from . import _trees, placement
 from .hybrid import check_hybrid
-from .sharded import apply_sharded, check_state_fits, plan_for, shard_tree, sub_optimizers
+from .sharded import (
+    apply_sharded,
+    check_state_fits,
+    plan_for,
+    shard_tree,
+    sub_optimizers,
+    verify_once,
+)
 from .step import local_piece
-from .consistency import verify_plan
 from .wrapper import DistributedOptimizer
 
 
@@ -114,11 +120,7 @@ class ShardedOptimizer(DistributedOptimizer):
             return
         flat, flat_params = _trees.match(parameters, parameters)
         plan = plan_for(flat, flat_params, self.optimizer, n, self.communication_size)
-        if plan.fingerprint() not in self._verified:
-            verify_plan(plan, self.group, "shard group")
-            if self.dp_group is not None:
-                verify_plan(plan, self.dp_group, "replica group (dp_group)")
-            self._verified.add(plan.fingerprint())
+        verify_once(plan, self.group, self.dp_group, self._verified)
         rank = self.group.rank()
         for o, opt in enumerate(sub_optimizers(self.optimizer)):
             pieces = shard_tree(plan, o, lambda s: local_piece(s, flat_params[s.index], rank))

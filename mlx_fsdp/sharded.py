@@ -55,6 +55,16 @@ def shard_tree(plan: Plan, optimizer_index: int, values) -> dict:
     }
 
 
+def verify_once(plan: Plan, group, dp_group, verified: Set[str]):
+    """Check across ranks that they built the same plan, once per plan."""
+    key = plan.fingerprint()
+    if key not in verified:
+        verify_plan(plan, group, "shard group")
+        if dp_group is not None:
+            verify_plan(plan, dp_group, "replica group (dp_group)")
+        verified.add(key)
+
+
 def check_state_fits(plan: Plan, optimizer):
     """Raise if the optimizer holds shard state made for a different plan.
 
@@ -125,12 +135,7 @@ def apply_sharded(
         return optimizer.apply_gradients(gradients, parameters), norm, None
 
     plan = plan_for(flat_grads, flat_params, optimizer, n, communication_size)
-    key = plan.fingerprint()
-    if key not in verified:
-        verify_plan(plan, group, "shard group")
-        if dp_group is not None:
-            verify_plan(plan, dp_group, "replica group (dp_group)")
-        verified.add(key)
+    verify_once(plan, group, dp_group, verified)
     if on_plan is not None:
         on_plan(plan)
     method = collectives.reduce_scatter_method(group)

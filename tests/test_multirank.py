@@ -99,3 +99,10 @@ def test_trees_differing_across_ranks_raise_on_every_rank(kind):
     for rank in (0, 1):
         assert f"rank {rank}: ValueError: The gradient trees differ across the ranks" in out, out
     assert "NO ERROR" not in out
+
+
+def test_init_builds_the_shard_state_the_step_uses():
+    (r,) = run_ranks(2, "init_state.py")
+    # (7, 15) = 105 elements over 2 ranks: 53 each; the scalar: 1 each.
+    assert r["lengths"]["mix"] == 53 and r["lengths"]["scale"] == 1, r
+    assert r["same_state"] and r["max_diff"] == 0.0, r

@@ -1,7 +1,6 @@
 """The plan and the (N, cols) layout: single process, no communication."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from mlx_fsdp.plan import build_plan
