@@ -19,6 +19,13 @@ from typing import Sequence, Tuple
 
 import mlx.core as mx
 
+#: Arrays of at least this many packed bytes get a bucket of their own.
+#: Sharing a collective only saves latency, which is negligible next to the
+#: transfer time of a megabyte, while a lone array needs no packing or
+#: unpacking copies: measured on ring N=2, this took the step's peak memory
+#: from 6.0 to ~4.5 times the parameter bytes (4x1024^2 MLP, one 32 MiB bucket).
+SOLO_BYTES = 1 << 20
+
 
 def dtype_name(dtype: mx.Dtype) -> str:
     """The short name of an MLX dtype, e.g. ``"bfloat16"``."""
@@ -149,7 +156,10 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
     Arrays are grouped by (sub-optimizer, gradient dtype, parameter dtype), in
     tree order; a bucket is closed before an array that would take it past
     ``communication_size`` bytes, so an array larger than the budget gets a
-    bucket of its own.
+    bucket of its own. So does every array of at least :data:`SOLO_BYTES`
+    (1 MiB): bucketing pays off for small arrays, whose collectives would be
+    dominated by latency, while a large array alone needs no copies to be
+    packed and unpacked.
 
     Args:
         signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer)``
@@ -179,12 +189,17 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
                 size *= d
             cols = -(-size // world_size)
             nbytes = world_size * cols * itemsize
+            entry = (path, index, tuple(shape), size, cols)
+            if nbytes >= SOLO_BYTES:
+                buckets.append(_close(dtype, param_dtype, optimizer, [entry]))
+                continue
             if current and (communication_size <= 0 or used + nbytes > communication_size):
                 buckets.append(_close(dtype, param_dtype, optimizer, current))
                 current, used = [], 0
-            current.append((path, index, tuple(shape), size, cols))
+            current.append(entry)
             used += nbytes
-        buckets.append(_close(dtype, param_dtype, optimizer, current))
+        if current:
+            buckets.append(_close(dtype, param_dtype, optimizer, current))
     return Plan(world_size, int(communication_size), tuple(buckets))
 
 

@@ -1,12 +1,14 @@
 """The sharded optimizer step, as functions over flat lists of arrays.
 
-One step, for each bucket of the plan: pack the gradients into ``(N, cols)``,
-reduce-scatter so that each rank keeps its row, average, (optionally) clip by
-the global norm, run the wrapped optimizer on this rank's shard, all-gather the
-updated shards and unpack them into full parameters.
+One step: for each bucket of the plan, reduce-scatter the gradients so that
+each rank keeps its piece of every array in the bucket, and average; clip the
+pieces by the global norm; run the wrapped optimizer on this rank's pieces;
+all-gather each bucket's updated pieces and unpack them into full parameters.
 
-Everything here is lazy: the functions build the graph and evaluate nothing,
-so they also run inside ``mx.compile``.
+The functions build the graph lazily. :func:`sharded_update` evaluates it
+stage by stage when it runs eagerly, so that a bucket's communication buffers
+are freed before the next bucket's are made, and leaves it lazy inside
+``mx.compile``.
 """
 
 import functools
@@ -18,7 +20,9 @@ from . import clip, collectives
 from .plan import Bucket, Plan, Slot
 
 
-def pack(bucket: Bucket, grads: Sequence[mx.array], n: int) -> mx.array:
+def pack(
+    bucket: Bucket, grads: Sequence[mx.array], n: int, last: Optional[mx.array] = None
+) -> mx.array:
     """Lay out a bucket's gradients as ``(n, bucket.cols)``.
 
     Args:
@@ -26,6 +30,8 @@ def pack(bucket: Bucket, grads: Sequence[mx.array], n: int) -> mx.array:
         grads (list[array]): The full gradient of every array of the flattened
             tree, indexed by ``Slot.index``.
         n (int): The number of ranks.
+        last (array, optional): Make the result depend on this array, see
+            :func:`order_after`. Default: ``None``.
 
     Returns:
         array: Row ``r`` is rank ``r``'s shard of the bucket.
@@ -37,6 +43,8 @@ def pack(bucket: Bucket, grads: Sequence[mx.array], n: int) -> mx.array:
         if pad:
             flat = mx.concatenate([flat, mx.zeros((pad,), flat.dtype)])
         parts.append(flat.reshape(n, slot.cols))
+    if last is not None:
+        parts.append(mx.broadcast_to(order_after(last, parts[0].dtype, 2)[0], (n, 0)))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
@@ -51,14 +59,17 @@ def local_piece(slot: Slot, param: mx.array, rank: int) -> mx.array:
     Returns:
         array: The piece, zero where it is padding.
     """
-    start = rank * slot.cols
-    stop = min(start + slot.cols, slot.size)
-    missing = slot.cols - max(stop - start, 0)
-    flat = param.reshape(-1)
+    start = min(rank * slot.cols, slot.size)
+    stop = min(rank * slot.cols + slot.cols, slot.size)
+    missing = slot.cols - (stop - start)
+    flat = param.reshape(-1)[start:stop]
     if not missing:
-        return flat[start:stop]
-    zeros = mx.zeros((missing,), param.dtype)
-    return mx.concatenate([flat[start:stop], zeros]) if stop > start else zeros
+        return flat
+    # Concatenating even an empty slice keeps ``param`` in the graph. When it
+    # is a collective's output, every rank must evaluate it, including a rank
+    # that holds only padding (a scalar at N > 1); ``mx.depends`` would do the
+    # same but gave wrong results under ``mx.compile`` here.
+    return mx.concatenate([flat, mx.zeros((missing,), param.dtype)])
 
 
 def unpack(bucket: Bucket, gathered: mx.array) -> List[mx.array]:
@@ -85,6 +96,135 @@ def unpack(bucket: Bucket, gathered: mx.array) -> List[mx.array]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def flat_starts(bucket: Bucket) -> Tuple[int, ...]:
+    """Where each slot begins in the bucket's unpadded flat concatenation."""
+    starts, at = [], 0
+    for slot in bucket.slots:
+        starts.append(at)
+        at += slot.size
+    return tuple(starts)
+
+
+def split_row(bucket: Bucket, row: mx.array) -> List[mx.array]:
+    """Cut a bucket's ``(cols,)`` row into the pieces of its slots (views)."""
+    if len(bucket.slots) == 1:
+        return [row]
+    return [row[s.offset : s.offset + s.cols] for s in bucket.slots]
+
+
+def order_after(x: Optional[mx.array], dtype: mx.Dtype, ndim: int = 1) -> List[mx.array]:
+    """An empty array that depends on ``x``: a part to concatenate into a
+    collective's input so that the collective runs after ``x`` is computed.
+
+    All ranks must run their collectives in the same order. Independent
+    collectives in one graph (one per bucket) are scheduled by MLX as it sees
+    fit, and since one rank's graph differs slightly from another's (only some
+    ranks hold padding), the orders can differ and the collectives mismatch:
+    seen under ``mx.compile`` and in unstaged eager steps. Chaining each
+    collective's input to the previous collective's output fixes one order on
+    every rank. ``mx.depends`` did not keep that order in the same tests; an
+    empty slice in a concatenation does, and costs nothing where the input is
+    concatenated anyway.
+
+    Returns:
+        list[array]: ``[]`` for ``x=None``, else one empty array of ``dtype``
+        with ``ndim`` dimensions.
+    """
+    if x is None:
+        return []
+    return [x.reshape(-1)[:0].astype(dtype).reshape((1,) * (ndim - 1) + (0,))]
+
+
+def join_pieces(pieces: Sequence[mx.array], last: Optional[mx.array] = None) -> mx.array:
+    """Concatenate 1-D pieces (the inverse of :func:`split_row`), after ``last``."""
+    parts = list(pieces) + order_after(last, pieces[0].dtype)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def reduce_bucket(
+    bucket: Bucket,
+    grads: Sequence[mx.array],
+    group: mx.distributed.Group,
+    dp_group: Optional[mx.distributed.Group] = None,
+    *,
+    method: str = "native",
+    stream: Optional[mx.Stream] = None,
+    last: Optional[mx.array] = None,
+) -> List[mx.array]:
+    """Reduce-scatter one bucket and average over all data-parallel ranks.
+
+    With a native ``sum_scatter`` the bucket is packed as ``(N, cols)`` and each
+    rank receives its row. The ``all_sum`` fallback receives the whole sum
+    anyway, so it skips the packed layout: it reduces the plain concatenation
+    of the gradients (a contiguous copy, or none for a single array) and cuts
+    this rank's pieces out of the result.
+
+    Args:
+        bucket (Bucket): The bucket.
+        grads (list[array]): The local full gradients, in tree order.
+        group (mlx.core.distributed.Group): The shard group.
+        dp_group (mlx.core.distributed.Group, optional): The replica group of
+            hybrid sharding. Default: ``None``.
+        method (str): ``"native"`` or ``"all_sum"``, see
+            :func:`mlx_fsdp.collectives.reduce_scatter`. Default: ``"native"``.
+        stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
+        last (array, optional): Run the collective only after this array
+            (the previous collective's output) is computed, see
+            :func:`order_after`. Default: ``None``.
+
+    Returns:
+        list[array]: This rank's averaged ``(cols,)`` piece of each slot.
+    """
+    n = group.size()
+    replicas = dp_group.size() if dp_group is not None else 1
+    total = n * replicas
+    if method == "all_sum" and n > 1:
+        flat = join_pieces([grads[s.index].reshape(-1) for s in bucket.slots], last)
+        summed = mx.distributed.all_sum(flat, group=group, stream=stream)
+        rank = group.rank()
+        pieces = [
+            local_piece(s, summed[start : start + s.size], rank)
+            for s, start in zip(bucket.slots, flat_starts(bucket))
+        ]
+        if replicas == 1:
+            return [p / total for p in pieces]
+        row = join_pieces(pieces)
+    else:
+        row = collectives.reduce_scatter(
+            pack(bucket, grads, n, last), group, method=method, stream=stream
+        )
+    if replicas > 1:
+        row = mx.distributed.all_sum(row, group=dp_group, stream=stream)
+    return split_row(bucket, row / total)
+
+
+def gather_bucket(
+    bucket: Bucket,
+    pieces: Sequence[mx.array],
+    group: mx.distributed.Group,
+    *,
+    stream: Optional[mx.Stream] = None,
+    last: Optional[mx.array] = None,
+) -> List[mx.array]:
+    """All-gather one bucket's updated pieces into full parameters.
+
+    Args:
+        bucket (Bucket): The bucket.
+        pieces (list[array]): This rank's updated piece of each slot.
+        group (mlx.core.distributed.Group): The shard group.
+        stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
+        last (array, optional): Run the collective only after this array
+            (the previous collective's output) is computed, see
+            :func:`order_after`. Default: ``None``.
+
+    Returns:
+        list[array]: The full parameters in slot order, in the parameter dtype.
+    """
+    gathered = collectives.all_gather(join_pieces(pieces, last), group, stream=stream)
+    return unpack(bucket, gathered)
+
+
 @functools.lru_cache(maxsize=64)
 def buckets_of_optimizer(plan: Plan, num_optimizers: int) -> Tuple[Tuple[int, ...], ...]:
     """For each sub-optimizer, the indices of the buckets it updates."""
@@ -94,84 +234,85 @@ def buckets_of_optimizer(plan: Plan, num_optimizers: int) -> Tuple[Tuple[int, ..
     )
 
 
-def reduce_gradients(
-    plan: Plan,
-    grads: Sequence[mx.array],
-    group: mx.distributed.Group,
-    dp_group: Optional[mx.distributed.Group] = None,
-    *,
-    method: str = "native",
-    stream: Optional[mx.Stream] = None,
-) -> List[mx.array]:
-    """Reduce-scatter every bucket and average over all data-parallel ranks.
-
-    Args:
-        plan (Plan): The plan, built for ``group.size()`` ranks.
-        grads (list[array]): The local full gradients in tree order.
-        group (mlx.core.distributed.Group): The shard group.
-        dp_group (mlx.core.distributed.Group, optional): The replica group of
-            hybrid sharding. Default: ``None``.
-        method (str): The reduce-scatter method, see
-            :func:`mlx_fsdp.collectives.reduce_scatter`. Default: ``"native"``.
-        stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
-
-    Returns:
-        list[array]: This rank's averaged gradient shard of each bucket.
-    """
-    n = plan.world_size
-    total = n * (dp_group.size() if dp_group is not None else 1)
-    shards = []
-    for bucket in plan.buckets:
-        s = collectives.reduce_scatter(
-            pack(bucket, grads, n), group, method=method, stream=stream
-        )
-        if dp_group is not None and dp_group.size() > 1:
-            s = mx.distributed.all_sum(s, group=dp_group, stream=stream)
-        shards.append(s / total)
-    return shards
-
-
 def update_shards(
     plan: Plan,
-    grad_shards: Sequence[mx.array],
+    grad_pieces: Sequence[Sequence[mx.array]],
     params: Sequence[mx.array],
     optimizers: Sequence,
     rank: int,
-) -> List[mx.array]:
+) -> List[List[mx.array]]:
     """Run each (sub-)optimizer on this rank's pieces of its parameters.
 
     The optimizer sees ``{"shards": {path: piece}}``: one ``(cols,)`` piece per
-    parameter, cut from the bucket shard. Its state is therefore per parameter,
-    ``state["shards"][path]``, and depends on the world size but not on the
-    bucket budget. Running per parameter also keeps the optimizer's
-    temporaries as small as a parameter's piece rather than a whole bucket's.
+    parameter. Its state is therefore per parameter, ``state["shards"][path]``,
+    and depends on the world size but not on the bucket budget. Running per
+    parameter also keeps the optimizer's temporaries as small as a parameter's
+    piece rather than a whole bucket's.
 
     Args:
         plan (Plan): The plan.
-        grad_shards (list[array]): Gradient shard of every bucket.
+        grad_pieces (list[list[array]]): For every bucket, the gradient piece
+            of each of its slots.
         params (list[array]): The full parameters, in tree order.
         optimizers (list[mlx.optimizers.Optimizer]): Indexed by ``Bucket.optimizer``.
         rank (int): This rank in the shard group.
 
     Returns:
-        list[array]: The updated parameter shard of every bucket.
+        list[list[array]]: For every bucket, the updated piece of each slot.
     """
     new_pieces = {}
     for opt, idx in zip(optimizers, buckets_of_optimizer(plan, len(optimizers))):
         grads, pieces = {}, {}
         for i in idx:
-            bucket, shard = plan.buckets[i], grad_shards[i]
-            single = len(bucket.slots) == 1
-            for slot in bucket.slots:
-                grads[slot.path] = shard if single else shard[slot.offset : slot.offset + slot.cols]
+            for slot, g in zip(plan.buckets[i].slots, grad_pieces[i]):
+                grads[slot.path] = g
                 pieces[slot.path] = local_piece(slot, params[slot.index], rank)
         new_pieces.update(opt.apply_gradients({"shards": grads}, {"shards": pieces})["shards"])
-    return [
-        new_pieces[b.slots[0].path]
-        if len(b.slots) == 1
-        else mx.concatenate([new_pieces[s.path] for s in b.slots])
-        for b in plan.buckets
-    ]
+    return [[new_pieces[s.path] for s in b.slots] for b in plan.buckets]
+
+
+def clip_pieces(
+    pieces: Sequence[Sequence[mx.array]], group: mx.distributed.Group, max_norm: float
+) -> Tuple[List[List[mx.array]], mx.array]:
+    """Clip every bucket's pieces by the global norm of all of them.
+
+    Replicas of a hybrid layout hold equal pieces, so the norm is summed over
+    the shard group only.
+
+    Returns:
+        tuple: The clipped pieces, bucket by bucket, and the norm before clipping.
+    """
+    flat = [p for b in pieces for p in b]
+    norm = clip.global_norm(flat, group)
+    scaled = iter(clip.clip_by_norm(flat, norm, max_norm))
+    return [[next(scaled) for _ in b] for b in pieces], norm
+
+
+class Stages:
+    """Evaluates the step stage by stage, unless it is being traced.
+
+    A single evaluation at the end would keep every bucket's packed, reduced
+    and gathered buffers alive at once; evaluating each stage frees them as
+    the step goes. Inside ``mx.compile`` (or another transformation) arrays
+    cannot be evaluated, and the compiled graph is scheduled as a whole
+    anyway, so the first refused evaluation turns staging off for the step.
+
+    Args:
+        enabled (bool): Evaluate stages at all. Default: ``True``.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __call__(self, *trees):
+        if not self.enabled:
+            return
+        try:
+            mx.eval(*trees)
+        except ValueError as e:
+            if "transformations" not in str(e):
+                raise
+            self.enabled = False
 
 
 def sharded_update(
@@ -185,6 +326,7 @@ def sharded_update(
     max_norm: Optional[float] = None,
     method: str = "native",
     stream: Optional[mx.Stream] = None,
+    staged: bool = True,
 ) -> Tuple[List[mx.array], Optional[mx.array]]:
     """One sharded optimizer step over flat lists of arrays.
 
@@ -200,23 +342,37 @@ def sharded_update(
             norm. Default: ``None``.
         method (str): Reduce-scatter method. Default: ``"native"``.
         stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
+        staged (bool): Evaluate bucket by bucket when not traced, see
+            :class:`Stages`. Default: ``True``.
 
     Returns:
         tuple: The new full parameters in tree order, and the global gradient
         norm before clipping (``None`` without ``max_norm``).
     """
-    shards = reduce_gradients(plan, grads, group, dp_group, method=method, stream=stream)
+    stage = Stages(staged)
+    pieces, last = [], None
+    for bucket in plan.buckets:
+        bucket_pieces = reduce_bucket(
+            bucket, grads, group, dp_group, method=method, stream=stream, last=last
+        )
+        pieces.append(bucket_pieces)
+        last = bucket_pieces[0]
+        stage(bucket_pieces)
+
     norm = None
     if max_norm is not None:
-        # Replicas of a hybrid layout hold equal shards: sum over the shard group only.
-        norm = clip.global_norm(shards, group)
-        shards = clip.clip_by_norm(shards, norm, max_norm)
+        pieces, norm = clip_pieces(pieces, group, max_norm)
 
-    new_shards = update_shards(plan, shards, params, optimizers, group.rank())
+    new_pieces = update_shards(plan, pieces, params, optimizers, group.rank())
+    del pieces
+    stage(new_pieces, [o.state for o in optimizers], [] if norm is None else norm)
 
     new_params = [None] * len(grads)
-    for bucket, shard in zip(plan.buckets, new_shards):
-        gathered = collectives.all_gather(shard, group, stream=stream)
-        for slot, p in zip(bucket.slots, unpack(bucket, gathered)):
+    last = norm
+    for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
+        full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=last)
+        last = full[0]
+        stage(full)
+        for slot, p in zip(bucket.slots, full):
             new_params[slot.index] = p
     return new_params, norm

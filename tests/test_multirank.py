@@ -12,17 +12,21 @@ from launch import run_ranks
 F32_TOL = 1e-5
 BF16_ULP_AT_ONE = 2.0**-7  # one bfloat16 ulp for values in [1, 2): a bound for |w| < 2
 
-OPTIMIZERS = ["sgd", "adam", "adamw", "lion"]
+OPTIMIZERS = ["sgd", "adam", "adamw", "lion", "multi"]
 
 
 def _configs(bf16):
-    # Clipping with tiny buckets (many buckets, every array padded differently)
-    # and no clipping with the default 32 MiB budget (one bucket per dtype).
-    return [f"{o}:0.5:300:{bf16}" for o in OPTIMIZERS] + [f"{o}:-1:33554432:{bf16}" for o in OPTIMIZERS]
+    # Clipping with tiny buckets (many buckets, every array padded differently),
+    # one array per bucket (the most collectives in one step: ranks must run
+    # them in one order although only some ranks hold padding), and no
+    # clipping with the default 32 MiB budget (one bucket per dtype).
+    return ([f"{o}:0.5:300:{bf16}" for o in OPTIMIZERS]
+            + [f"{o}:-1:0:{bf16}" for o in OPTIMIZERS]
+            + [f"{o}:-1:33554432:{bf16}" for o in OPTIMIZERS])
 
 
 def _check(results, vs_reference=True):
-    assert len(results) == 2 * len(OPTIMIZERS)
+    assert len(results) == 3 * len(OPTIMIZERS)
     for r in results:
         cfg = r["config"]
         assert r["fsdp_ddp_f32"] <= F32_TOL, r
@@ -34,8 +38,11 @@ def _check(results, vs_reference=True):
             assert r["clipped"] >= 1, f"clipping never engaged in {cfg}: the test would not see it"
             assert r["norm_ddp"] <= 1e-5 and (not vs_reference or r["norm_ref"] <= 1e-5), r
             assert r["buckets"] > 3, r
+        elif cfg.split(":")[2] == "0":
+            assert r["buckets"] == 11, r
         else:
-            assert r["buckets"] == (2 if "bfloat16" in r["dtypes"] else 1), r
+            groups = 2 if cfg.startswith("multi") else 1
+            assert r["buckets"] == groups * (2 if "bfloat16" in r["dtypes"] else 1), r
 
 
 def test_parity_ring_n2_with_bf16_part():
@@ -88,9 +95,11 @@ def test_dropin_behaves_like_mlx_031():
 
 
 def test_compiled_step_equals_eager():
-    (r,) = run_ranks(2, "compiled.py")
-    assert r["steps"] == 5
-    assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 1e-6, r
+    results = run_ranks(2, "compiled.py", ["adamw:400", "multi:0"])
+    assert [r["config"] for r in results] == ["adamw:400", "multi:0"]
+    for r in results:
+        assert r["steps"] == 5
+        assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("kind", ["extra_array", "shape"])

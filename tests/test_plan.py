@@ -63,6 +63,17 @@ def test_array_larger_than_the_budget_gets_its_own_bucket():
     assert [[s.path for s in b.slots] for b in plan.buckets] == [["p0"], ["p1"], ["p2"]]
 
 
+def test_megabyte_arrays_travel_alone_and_need_no_packing_copy():
+    # (512, 512) float32 is exactly 1 MiB; the small arrays around it still share.
+    plan = build_plan(_sig([(4,), (512, 512), (4,), (511, 512)]), 2, 32 * 1024**2)
+    assert [[s.path for s in b.slots] for b in plan.buckets] == [["p1"], ["p0", "p2", "p3"]]
+    big = mx.random.normal((512, 512))
+    packed = pack(plan.buckets[0], [None, big], 2)
+    assert packed.shape == (2, 512 * 256)
+    (back,) = unpack(plan.buckets[0], packed)
+    assert mx.array_equal(back, big)
+
+
 def test_plan_is_deterministic_and_fingerprint_sees_every_field():
     sig = _sig(SHAPES)
     assert build_plan(sig, 3, 1000) is build_plan(sig, 3, 1000)  # cached

@@ -62,6 +62,13 @@ OPTIMIZERS = {
     "adam": lambda: optim.Adam(learning_rate=1e-2),
     "adamw": lambda: optim.AdamW(learning_rate=1e-2, weight_decay=0.05),
     "lion": lambda: optim.Lion(learning_rate=1e-3, weight_decay=0.01),
+    # Two sub-optimizers with schedules: matrices and the rest take different
+    # buckets, and the learning rate changes every step.
+    "multi": lambda: optim.MultiOptimizer(
+        [optim.AdamW(learning_rate=optim.cosine_decay(2e-2, 20), weight_decay=0.05),
+         optim.SGD(learning_rate=optim.cosine_decay(2e-2, 20), momentum=0.9)],
+        [lambda path, g: g.ndim == 2],
+    ),
 }
 
 

@@ -31,14 +31,17 @@ def run(group, name, max_norm, comm, bf16, steps):
         x, y = batch(step, rank)
         _, g = nn.value_and_grad(fsdp_model, loss_fn)(fsdp_model, x, y)
         fsdp.update(fsdp_model, g)
+        # Each step is evaluated on its own, as in training: a graph that also
+        # holds the other models' collectives could hide a misordered step.
+        mx.eval(fsdp_model.parameters(), fsdp.state)
         _, g = nn.value_and_grad(ddp_model, loss_fn)(ddp_model, x, y)
         ddp.update(ddp_model, g)
+        mx.eval(ddp_model.parameters(), ddp.state)
         g = averaged_grads(ref_model, step, n)
         if max_norm is not None:
             g, ref_norm = reference_clip(g, max_norm)
         ref.update(ref_model, g)
-        mx.eval(fsdp_model.parameters(), ddp_model.parameters(), ref_model.parameters(),
-                fsdp.state, ddp.state, ref.state)
+        mx.eval(ref_model.parameters(), ref.state)
         p, d, r = fsdp_model.parameters(), ddp_model.parameters(), ref_model.parameters()
         for key, other in (("ref", r), ("ddp", d)):
             worst[f"fsdp_{key}_f32"] = max(worst[f"fsdp_{key}_f32"], max_diff(p, other, mx.float32))
