@@ -120,6 +120,7 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
             ``"user"`` (e.g. the data loader's position). Default: ``None``.
 
     Raises:
+        ValueError: If ``path`` exists and is not a checkpoint.
         RuntimeError: On every rank, if writing failed on any rank.
     """
     optimizer, wrapper = split_optimizer(opt)
@@ -136,6 +137,7 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
         shard, writer = 0, rank == 0
     arrays = arrays_to_save(plan, optimizer, wrapper, sharded) if writer else {}
     target, tmp, _ = atomic.side_paths(path)
+    atomic.check_target(target)
 
     error = None
     try:

@@ -50,9 +50,9 @@ def fsync_dir(path: str):
         os.close(fd)
 
 
-def prepare(path: str):
-    """Rank 0, before anyone writes: check the target and make an empty temporary dir."""
-    target, tmp, _ = side_paths(path)
+def check_target(path: str):
+    """Refuse to replace a directory that is not a checkpoint (every rank, first)."""
+    target = side_paths(path)[0]
     if os.path.exists(target) and not (
         os.path.isdir(target)
         and (os.path.isfile(os.path.join(target, MANIFEST)) or not os.listdir(target))
@@ -61,6 +61,11 @@ def prepare(path: str):
             f"{target} exists and is not an mlx_fsdp checkpoint (no {MANIFEST}); "
             "refusing to replace it. Choose another path or remove it."
         )
+
+
+def prepare(path: str):
+    """Rank 0, before anyone writes: make an empty temporary dir."""
+    target, tmp, _ = side_paths(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by an interrupted save
