@@ -325,3 +325,19 @@ def test_one_process_wrappers_round_trip_exactly(tmp_path):
         train(model, opt, 1, start=2)
         train(model2, opt2, 1, start=2)
         assert by_key_diff(model.parameters(), model2.parameters()) == 0.0
+
+
+@pytest.mark.parametrize("make", [lambda: optim.Adafactor(learning_rate=1e-2),
+                                  lambda: optim.Muon(learning_rate=1e-2)])
+def test_shape_aware_state_round_trips_whole(tmp_path, make):
+    # Adafactor's factored second moment is not parameter-shaped: it is stored
+    # whole (kind "whole") and comes back as it was.
+    model, opt = make_model(bf16=False), make()
+    train(model, opt, 2)
+    mlx_fsdp.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    model2, opt2 = make_model(seed=4, bf16=False), make()
+    mlx_fsdp.load_checkpoint(str(tmp_path / "ck"), model2, opt2)
+    assert by_key_diff(opt.state, opt2.state) == 0.0
+    train(model, opt, 1, start=2)
+    train(model2, opt2, 1, start=2)
+    assert by_key_diff(model.parameters(), model2.parameters()) == 0.0
