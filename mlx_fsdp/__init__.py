@@ -5,6 +5,12 @@ each rank keeps and updates 1/N of the optimizer state, with the same result
 as plain data parallelism (:func:`ddp_step`).
 """
 
+from .checkpoint import (
+    CheckpointError,
+    consolidate_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .collectives import reduce_scatter_method, supports_sum_scatter
 from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
@@ -19,6 +25,10 @@ __all__ = [
     "ddp_step",
     "fsdp_apply_gradients",
     "hybrid_groups",
+    "save_checkpoint",
+    "load_checkpoint",
+    "consolidate_checkpoint",
+    "CheckpointError",
     "ShardedOptimizer",
     "ReplicatedOptimizer",
     "Plan",

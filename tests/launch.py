@@ -3,8 +3,10 @@
 import glob
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -35,13 +37,35 @@ def mpi_env():
     return env
 
 
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free local ports.
+
+    mlx.launch's ring backend starts at port 32323 by default, so two test runs
+    on one machine (CI jobs, several checkouts) would connect to each other's
+    ranks and exchange each other's data.
+    """
+    for _ in range(100):
+        start = random.randint(20000, 60000 - n)
+        try:
+            for port in range(start, start + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+    raise RuntimeError("found no free block of local ports for the ring backend")
+
+
 def command(n: int, script: str, args, backend: str):
     path = os.path.join(WORKERS, script)
+    if n == 1:  # one plain process: no launcher (mpirun -n 1 aborts at exit)
+        return [sys.executable, path, *args]
     if backend == "ring":
         launcher = _mlx_launch()
         if launcher is None:
             pytest.fail("mlx.launch was not found next to the Python interpreter or on PATH")
-        return [launcher, "-n", str(n), "--backend", "ring", "--", sys.executable, path, *args]
+        return [launcher, "-n", str(n), "--backend", "ring", "--starting-port",
+                str(_free_ports(n)), "--", sys.executable, path, *args]
     if backend == "mpi":
         mpirun = shutil.which("mpirun")
         if mpirun is None:
@@ -56,7 +80,7 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
     """Run ``tests/workers/<script>`` on ``n`` ranks and return rank 0's RESULT records.
 
     Args:
-        n: Number of ranks. Default backend: ring for 2, MPI otherwise.
+        n: Number of ranks. Default backend: ring for 2, MPI for 3..8, none for 1.
         script: File name in tests/workers.
         args: Extra command-line arguments.
         backend: "ring" or "mpi". Default: chosen from ``n``.

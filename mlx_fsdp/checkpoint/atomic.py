@@ -1,0 +1,92 @@
+"""Writing a checkpoint directory so that no reader ever sees half of it.
+
+Every rank writes into ``.NAME.partial`` next to the target. When all ranks
+report success (one small all-gather, which is also the barrier), rank 0 adds
+the manifest, the file that makes a checkpoint complete, and swaps the
+directory in: the old checkpoint is renamed to ``.NAME.old``, the new one
+into place, and only then is the old one removed. A failure on any rank is
+reported on every rank, and the old checkpoint is left as it was.
+
+All ranks must see the same directory (a shared filesystem on multi-host).
+"""
+
+import os
+import shutil
+from typing import List, Tuple
+
+import mlx.core as mx
+
+from .manifest import MANIFEST
+
+
+def side_paths(path: str) -> Tuple[str, str, str]:
+    """``(target, temporary, old)`` absolute paths; all in the target's parent."""
+    path = os.path.abspath(path).rstrip(os.sep)
+    parent, base = os.path.split(path)
+    return path, os.path.join(parent, f".{base}.partial"), os.path.join(parent, f".{base}.old")
+
+
+def gather_status(
+    group: mx.distributed.Group, ok: bool, shard: int = -1, digest: str = ""
+) -> List[Tuple[bool, int, str]]:
+    """All ranks' ``(ok, shard written or -1, its sha256)``: a barrier carrying results.
+
+    Every rank of ``group`` must call it at the same point.
+    """
+    data = bytes.fromhex(digest) if digest else bytes(32)
+    local = mx.array([int(ok), shard] + list(data), dtype=mx.int32)
+    if group.size() == 1:
+        rows = [local.tolist()]
+    else:
+        rows = mx.distributed.all_gather(local[None], group=group).tolist()
+    return [(bool(r[0]), r[1], bytes(r[2:]).hex()) for r in rows]
+
+
+def fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_target(path: str):
+    """Refuse to replace a directory that is not a checkpoint (every rank, first)."""
+    target = side_paths(path)[0]
+    if os.path.exists(target) and not (
+        os.path.isdir(target)
+        and (os.path.isfile(os.path.join(target, MANIFEST)) or not os.listdir(target))
+    ):
+        raise ValueError(
+            f"{target} exists and is not an mlx_fsdp checkpoint (no {MANIFEST}); "
+            "refusing to replace it. Choose another path or remove it."
+        )
+
+
+def prepare(path: str):
+    """Rank 0, before anyone writes: make an empty temporary dir."""
+    target, tmp, _ = side_paths(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)  # left by an interrupted save
+    os.makedirs(tmp)
+
+
+def commit(path: str):
+    """Rank 0, after the manifest is written: swap the complete new dir in."""
+    target, tmp, old = side_paths(path)
+    fsync_dir(tmp)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.exists(target):
+        os.rename(target, old)
+    os.rename(tmp, target)
+    fsync_dir(os.path.dirname(target))
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+def abandon(path: str):
+    """Rank 0, after a failure: drop the temporary dir (the target is untouched)."""
+    _, tmp, _ = side_paths(path)
+    shutil.rmtree(tmp, ignore_errors=True)

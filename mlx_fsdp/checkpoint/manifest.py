@@ -1,0 +1,213 @@
+"""The on-disk format of a checkpoint: file names, array keys, the manifest, checks.
+
+A checkpoint is a directory::
+
+    manifest.json                              what is where, in plain JSON
+    model.safetensors                          the model's parameters (rank 0)
+    optimizer-00000-of-00002.safetensors       shard 0 of the optimizer state
+    optimizer-00001-of-00002.safetensors       shard 1 ...
+
+Keys inside the optimizer files (``k`` is the sub-optimizer index, 0 unless
+the optimizer is a ``MultiOptimizer``):
+
+* ``state/{k}/{path}/{name}``: the entry ``name`` (e.g. ``m``) of the state
+  of the parameter at ``path``: this shard's flat piece, or the whole entry;
+* ``scalars/{k}/{name}``: sub-optimizer ``k``'s top-level state (``step``,
+  ``learning_rate``);
+* ``master/{path}``: the fp32 master copy of the parameter, laid out like
+  the optimizer entries.
+
+Everything here is plain Python and JSON so that the format can be read,
+checked and explained without the rest of the package.
+"""
+
+import hashlib
+import json
+import os
+import struct
+
+import mlx.optimizers as optim
+
+FORMAT = "mlx_fsdp-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+
+# How a reader rebuilds each entry, written into every manifest so that the
+# format explains itself.
+LAYOUT_NOTE = (
+    "For each parameter of plan.buckets[*].slots and each entry name listed under "
+    "optimizers[k].parameters[path].entries: kind 'flat' means the entry has the "
+    "parameter's shape and was split into plan.world_size pieces of `cols` elements "
+    "(the flattened array, zero-padded to world_size * cols); piece r is key "
+    "'state/{k}/{path}/{name}' in shard file r; concatenate the pieces in rank "
+    "order, keep the first `size` elements and reshape to `shape`. Kind 'whole' "
+    "means the entry is stored whole, with its own shape, in the file of shard "
+    "`source`. Top-level optimizer state is 'scalars/{k}/{name}' in shard file 0; "
+    "fp32 master weights (if listed under 'master') are 'master/{path}', laid out "
+    "like the entries. Model weights are in model.safetensors, keyed by path."
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or does not fit the model and optimizer."""
+
+
+def shard_file(rank: int, num_shards: int) -> str:
+    """The file name of shard ``rank`` of ``num_shards``."""
+    return f"optimizer-{rank:05d}-of-{num_shards:05d}.safetensors"
+
+
+def state_key(k: int, path: str, name: str) -> str:
+    return f"state/{k}/{path}/{name}"
+
+
+def scalar_key(k: int, name: str) -> str:
+    return f"scalars/{k}/{name}"
+
+
+def master_key(path: str) -> str:
+    return f"master/{path}"
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# safetensors dtype codes -> MLX dtype names.
+_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+}
+
+
+def read_header(path: str) -> dict:
+    """``{key: {"dtype": mlx dtype name, "shape": [...]}}`` of a safetensors file.
+
+    Reads only the JSON header (8-byte little-endian length, then JSON), not
+    the arrays.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {
+        k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
+        for k, v in header.items()
+    }
+
+
+def _jsonable(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_jsonable(v) for v in value)
+    return False
+
+
+def describe_optimizer(optimizer) -> dict:
+    """Class, hyper-parameters and scheduled names of an MLX optimizer (JSON-able).
+
+    Hyper-parameters are the public attributes with JSON values (``betas``,
+    ``eps``, ``weight_decay``...); the learning rate is in the state, and a
+    scheduled one is listed under ``scheduled`` (a schedule is code and cannot
+    be saved: the step count is, so a recreated schedule continues).
+    """
+    out = {"class": type(optimizer).__name__, "module": type(optimizer).__module__}
+    if isinstance(optimizer, optim.MultiOptimizer):
+        out["sub_optimizers"] = [describe_optimizer(o) for o in optimizer.optimizers]
+        return out
+    out["hyperparameters"] = {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in sorted(vars(optimizer).items())
+        if not k.startswith("_") and _jsonable(v)
+    }
+    out["scheduled"] = sorted(getattr(optimizer, "_schedulers", {}))
+    return out
+
+
+def class_names(description: dict) -> list:
+    """``[outer class, sub-optimizer classes...]`` of a description."""
+    return [description["class"]] + [s["class"] for s in description.get("sub_optimizers", [])]
+
+
+def write_json(path: str, data: dict):
+    """Write JSON and flush it to disk before returning."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(path: str) -> dict:
+    """Read and sanity-check ``path/manifest.json``.
+
+    Raises:
+        CheckpointError: naming the missing or malformed part, and pointing at
+            the leftovers of an interrupted save if there are any.
+    """
+    path = os.path.abspath(path)
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        parent, base = os.path.split(path.rstrip(os.sep))
+        hints = []
+        if os.path.isdir(os.path.join(parent, f".{base}.old")):
+            hints.append(
+                f" A save was interrupted while replacing it; the previous checkpoint "
+                f"is intact at {os.path.join(parent, '.' + base + '.old')}."
+            )
+        if os.path.isdir(os.path.join(parent, f".{base}.partial")):
+            hints.append(" An interrupted save left an incomplete .partial directory next to it.")
+        what = "has no manifest.json" if os.path.isdir(path) else "does not exist"
+        raise CheckpointError(f"The checkpoint {path} {what}; it is not a complete checkpoint."
+                              + "".join(hints))
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint is damaged.") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not an mlx_fsdp checkpoint manifest (no format={FORMAT!r}).")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has format_version={version!r}; this mlx_fsdp reads version "
+            f"{FORMAT_VERSION}. Use the mlx_fsdp version that wrote it "
+            f"({manifest.get('mlx_fsdp_version')})."
+        )
+    for key in ("files", "plan", "model", "optimizer", "optimizers", "layout"):
+        if key not in manifest:
+            raise CheckpointError(f"{file} lacks the '{key}' entry; the manifest is damaged.")
+    return manifest
+
+
+def verify_files(path: str, manifest: dict):
+    """Check that every file the manifest lists exists with its size and sha256.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    for name, info in sorted(manifest["files"].items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(
+                f"The checkpoint {path} is missing {name} (listed in its manifest); "
+                "copy the whole directory, every shard file included."
+            )
+        size = os.path.getsize(file)
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{name} in {path} has {size} bytes but the manifest says "
+                f"{info['bytes']}: the file is truncated or altered."
+            )
+        if sha256_file(file) != info["sha256"]:
+            raise CheckpointError(
+                f"{name} in {path} does not match its sha256 in the manifest: the "
+                "file is altered or corrupted."
+            )
