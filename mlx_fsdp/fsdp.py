@@ -42,8 +42,20 @@ class ShardedOptimizer(DistributedOptimizer):
         communication_size: int = 32 * 1024**2,
         max_norm: Optional[float] = None,
         communication_stream: Optional[mx.Stream] = None,
+        master_dtype: Optional[mx.Dtype] = None,
+        reduce_dtype: Optional[mx.Dtype] = None,
+        grad_accumulation_steps: int = 1,
+        accumulation: str = "local",
     ):
-        super().__init__(optimizer, group, max_norm)
+        super().__init__(
+            optimizer,
+            group,
+            max_norm,
+            master_dtype=master_dtype,
+            reduce_dtype=reduce_dtype,
+            grad_accumulation_steps=grad_accumulation_steps,
+            accumulation=accumulation,
+        )
         placement.check_supported(optimizer)
         check_hybrid(self.group, dp_group)
         if not isinstance(communication_size, int) or isinstance(communication_size, bool):
@@ -78,17 +90,9 @@ class ShardedOptimizer(DistributedOptimizer):
                 "new tree (or call init with model.trainable_parameters())."
             )
 
-    def apply_gradients(self, gradients, parameters):
-        """Apply gradients and return the updated parameters.
+    accumulation_modes = ("local", "sharded")
 
-        Args:
-            gradients (dict): This rank's local gradients.
-            parameters (dict): The parameters, or the model itself. It can be a
-                superset of the gradients; the result has the gradients' structure.
-
-        Returns:
-            dict: The updated full parameters, the same on every rank.
-        """
+    def _step(self, gradients, parameters, **accumulate):
         new, norm, _ = apply_sharded(
             gradients,
             parameters,
@@ -100,7 +104,12 @@ class ShardedOptimizer(DistributedOptimizer):
             stream=self.communication_stream,
             verified=self._verified,
             on_plan=self._check_same_plan,
+            masters=self._masters(),
+            master_dtype=self.master_dtype,
+            **accumulate,
         )
+        if new is None:  # a micro-batch of sharded accumulation
+            return _trees.like(gradients, _trees.match(gradients, parameters)[1])
         self._set_grad_norm(norm)
         return new
 
@@ -115,16 +124,18 @@ class ShardedOptimizer(DistributedOptimizer):
                 ``model.trainable_parameters()``.
         """
         n = self.group.size()
-        if n * (self.dp_group.size() if self.dp_group is not None else 1) == 1:
-            self.optimizer.init(parameters)
-            return
         flat, flat_params = _trees.match(parameters, parameters)
+        if n * (self.dp_group.size() if self.dp_group is not None else 1) == 1:
+            self.optimizer.init(_trees.like(parameters, self._initial_masters(
+                [k for k, _ in flat], flat_params)))
+            return
         plan = plan_for(flat, flat_params, self.optimizer, n, self.communication_size)
         verify_once(plan, self.group, self.dp_group, self._verified)
         rank = self.group.rank()
         for o, opt in enumerate(sub_optimizers(self.optimizer)):
             pieces = shard_tree(plan, o, lambda s: local_piece(s, flat_params[s.index], rank))
-            opt.init({"shards": pieces})
+            steps = self._initial_masters(list(pieces), list(pieces.values()))
+            opt.init({"shards": dict(zip(pieces, steps))})
         self._check_same_plan(plan)
 
 
@@ -136,6 +147,10 @@ def fsdp_step(
     communication_size: int = 32 * 1024**2,
     max_norm: Optional[float] = None,
     communication_stream: Optional[mx.Stream] = None,
+    master_dtype: Optional[mx.Dtype] = None,
+    reduce_dtype: Optional[mx.Dtype] = None,
+    grad_accumulation_steps: int = 1,
+    accumulation: str = "local",
 ) -> ShardedOptimizer:
     """Wrap an optimizer so that its state and its work are sharded over ranks.
 
@@ -171,6 +186,22 @@ def fsdp_step(
             Default: ``None``.
         communication_stream (mlx.core.Stream, optional): Stream for the
             collectives. Default: ``None``.
+        master_dtype (Dtype, optional): Keep master copies of this dtype (e.g.
+            ``mx.float32``) of this rank's pieces of every parameter of
+            another dtype, run the optimizer on them in that dtype, and
+            all-gather the result in the parameter's dtype. Each rank holds
+            1/N of the masters DDP holds. Default: ``None``.
+        reduce_dtype (Dtype, optional): Reduce-scatter the gradients in this
+            dtype, e.g. ``mx.float32`` to sum bfloat16 gradients without
+            rounding (at twice the bytes). Default: ``None`` (their own dtype).
+        grad_accumulation_steps (int): Average the gradients of this many
+            calls of ``update`` (micro-batches) and step on the last one.
+            Default: ``1``.
+        accumulation (str): ``"local"`` sums the micro-batch gradients on
+            each rank and communicates once (a full-size buffer);
+            ``"sharded"`` reduce-scatters every micro-batch and keeps only
+            this rank's 1/N of the sum (k times the communication).
+            Default: ``"local"``.
 
     Returns:
         ShardedOptimizer: The wrapper.
@@ -182,4 +213,8 @@ def fsdp_step(
         communication_size=communication_size,
         max_norm=max_norm,
         communication_stream=communication_stream,
+        master_dtype=master_dtype,
+        reduce_dtype=reduce_dtype,
+        grad_accumulation_steps=grad_accumulation_steps,
+        accumulation=accumulation,
     )

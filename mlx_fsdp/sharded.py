@@ -4,11 +4,13 @@ from typing import Any, Callable, Optional, Set, Tuple
 
 import mlx.core as mx
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
 
 from . import _trees, clip, collectives, placement
 from .consistency import verify_plan
 from .plan import Plan, build_plan, signature_of
-from .step import sharded_update
+from .plain import plain_step
+from .step import Stages, finish_step, reduce_all
 
 
 def sub_optimizers(optimizer) -> list:
@@ -102,6 +104,11 @@ def apply_sharded(
     stream: Optional[mx.Stream],
     verified: Set[str],
     on_plan: Optional[Callable[[Plan], None]] = None,
+    masters: Optional[dict] = None,
+    master_dtype: Optional[mx.Dtype] = None,
+    carry: Optional[dict] = None,
+    finish: bool = True,
+    divide: int = 1,
 ) -> Tuple[Any, Optional[mx.array], Optional[Plan]]:
     """One sharded step on trees.
 
@@ -118,36 +125,79 @@ def apply_sharded(
             caller keeps it between steps, this function adds to it.
         on_plan (callable, optional): Called with the plan before any update,
             e.g. to check that the optimizer state fits it.
+        masters (dict, optional): ``{path: piece}`` master copies, updated in
+            place (see :mod:`mlx_fsdp.master`). Default: ``None``.
+        master_dtype (Dtype, optional): The masters' dtype. Default: ``None``.
+        carry (dict, optional): ``{path: piece}`` reduced gradients of earlier
+            micro-batches (sharded gradient accumulation), added to this
+            step's and updated in place. Default: ``None``.
+        finish (bool): Take the optimizer step; with ``False`` only reduce
+            the gradients into ``carry``. Default: ``True``.
+        divide (int): Divide the (accumulated) gradients by this before the
+            step: the number of micro-batches. Default: ``1``.
 
     Returns:
-        tuple: The updated parameters (shaped like ``gradients``), the gradient
-        norm before clipping (or ``None``), and the plan (``None`` on one rank).
+        tuple: The updated parameters (shaped like ``gradients``; ``None``
+        when ``finish`` is ``False``), the gradient norm before clipping (or
+        ``None``), and the plan (``None`` on one rank).
     """
     placement.check_supported(optimizer)
     n = group.size()
     replicas = dp_group.size() if dp_group is not None else 1
     flat_grads, flat_params = _trees.match(gradients, parameters)
     if n * replicas == 1:
-        # One process: exactly the plain optimizer.
-        norm = None
-        if max_norm is not None:
-            gradients, norm = clip.clip_tree(gradients, max_norm)
-        return optimizer.apply_gradients(gradients, parameters), norm, None
+        return _one_process(gradients, parameters, optimizer, max_norm, masters,
+                            master_dtype, carry, finish, divide)
 
     plan = plan_for(flat_grads, flat_params, optimizer, n, communication_size)
     verify_once(plan, group, dp_group, verified)
     if on_plan is not None:
         on_plan(plan)
-    method = collectives.reduce_scatter_method(group)
-    new_params, norm = sharded_update(
-        plan,
-        [g for _, g in flat_grads],
-        flat_params,
-        sub_optimizers(optimizer),
-        group,
-        dp_group,
-        max_norm=max_norm,
-        method=method,
-        stream=stream,
+    stage = Stages()
+    pieces = reduce_all(
+        plan, [g for _, g in flat_grads], group, dp_group,
+        method=collectives.reduce_scatter_method(group), stream=stream, stage=stage,
+    )
+    if carry is not None:
+        pieces = _add_carry(plan, pieces, carry, finish, stage)
+        if not finish:
+            return None, None, plan
+    if divide != 1:
+        pieces = [[p / divide for p in b] for b in pieces]
+    new_params, norm = finish_step(
+        plan, pieces, flat_params, sub_optimizers(optimizer), group,
+        max_norm=max_norm, stream=stream, stage=stage, masters=masters,
+        master_dtype=master_dtype,
     )
     return _trees.like(gradients, new_params), norm, plan
+
+
+def _add_carry(plan, pieces, carry, finish, stage):
+    """Add the carried pieces; keep the sums in ``carry`` unless this step finishes."""
+    summed = [
+        [p + carry[s.path] if s.path in carry else p for s, p in zip(b.slots, bp)]
+        for b, bp in zip(plan.buckets, pieces)
+    ]
+    carry.clear()
+    if not finish:
+        carry.update((s.path, p) for b, bp in zip(plan.buckets, summed) for s, p in zip(b.slots, bp))
+        stage(carry)
+    return summed
+
+
+def _one_process(gradients, parameters, optimizer, max_norm, masters, master_dtype,
+                 carry, finish, divide):
+    # One process: exactly the plain optimizer (with masters if asked for).
+    if carry is not None:
+        flat = tree_flatten(gradients)
+        summed = [g + carry[k] if k in carry else g for k, g in flat]
+        carry.clear()
+        if not finish:
+            carry.update(zip([k for k, _ in flat], summed))
+            return None, None, None
+        gradients = _trees.like(gradients, summed)
+    if divide != 1:
+        gradients = tree_map(lambda g: g / divide, gradients)
+    new, norm = plain_step(gradients, parameters, optimizer, max_norm=max_norm,
+                           masters=masters, master_dtype=master_dtype)
+    return new, norm, None

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import clip, collectives
+from . import clip, collectives, master
 from .plan import Bucket, Plan, Slot
 
 
@@ -240,6 +240,8 @@ def update_shards(
     params: Sequence[mx.array],
     optimizers: Sequence,
     rank: int,
+    masters: Optional[dict] = None,
+    master_dtype: Optional[mx.Dtype] = None,
 ) -> List[List[mx.array]]:
     """Run each (sub-)optimizer on this rank's pieces of its parameters.
 
@@ -256,18 +258,32 @@ def update_shards(
         params (list[array]): The full parameters, in tree order.
         optimizers (list[mlx.optimizers.Optimizer]): Indexed by ``Bucket.optimizer``.
         rank (int): This rank in the shard group.
+        masters (dict, optional): ``{path: piece}`` master copies, updated in
+            place, see :mod:`mlx_fsdp.master`. Default: ``None``.
+        master_dtype (Dtype, optional): Step low-precision parameters through
+            masters of this dtype. Default: ``None``.
 
     Returns:
-        list[list[array]]: For every bucket, the updated piece of each slot.
+        list[list[array]]: For every bucket, the updated piece of each slot,
+        in the parameter's dtype.
     """
+    masters = {} if masters is None else masters
     new_pieces = {}
     for opt, idx in zip(optimizers, buckets_of_optimizer(plan, len(optimizers))):
-        grads, pieces = {}, {}
-        for i in idx:
-            for slot, g in zip(plan.buckets[i].slots, grad_pieces[i]):
-                grads[slot.path] = g
-                pieces[slot.path] = local_piece(slot, params[slot.index], rank)
-        new_pieces.update(opt.apply_gradients({"shards": grads}, {"shards": pieces})["shards"])
+        slots = [s for i in idx for s in plan.buckets[i].slots]
+        if not slots:
+            continue
+        paths = [s.path for s in slots]
+        pieces = [local_piece(s, params[s.index], rank) for s in slots]
+        grads = [g for i in idx for g in grad_pieces[i]]
+        steps, grads = master.lift(paths, pieces, grads, masters, master_dtype)
+        new = opt.apply_gradients(
+            {"shards": dict(zip(paths, grads))}, {"shards": dict(zip(paths, steps))}
+        )["shards"]
+        new = master.lower(
+            paths, [new[p] for p in paths], [p.dtype for p in pieces], masters, master_dtype
+        )
+        new_pieces.update(zip(paths, new))
     return [[new_pieces[s.path] for s in b.slots] for b in plan.buckets]
 
 
@@ -315,6 +331,75 @@ class Stages:
             self.enabled = False
 
 
+def reduce_all(
+    plan: Plan,
+    grads: Sequence[mx.array],
+    group: mx.distributed.Group,
+    dp_group: Optional[mx.distributed.Group] = None,
+    *,
+    method: str = "native",
+    stream: Optional[mx.Stream] = None,
+    stage: Optional[Stages] = None,
+) -> List[List[mx.array]]:
+    """Reduce-scatter every bucket, one after the other (see :func:`reduce_bucket`).
+
+    Returns:
+        list[list[array]]: For every bucket, this rank's averaged gradient
+        piece of each slot.
+    """
+    stage = stage or Stages(False)
+    pieces, last = [], None
+    for bucket in plan.buckets:
+        bucket_pieces = reduce_bucket(
+            bucket, grads, group, dp_group, method=method, stream=stream, last=last
+        )
+        pieces.append(bucket_pieces)
+        last = bucket_pieces[0]
+        stage(bucket_pieces)
+    return pieces
+
+
+def finish_step(
+    plan: Plan,
+    pieces: List[List[mx.array]],
+    params: Sequence[mx.array],
+    optimizers: Sequence,
+    group: mx.distributed.Group,
+    *,
+    max_norm: Optional[float] = None,
+    stream: Optional[mx.Stream] = None,
+    stage: Optional[Stages] = None,
+    masters: Optional[dict] = None,
+    master_dtype: Optional[mx.Dtype] = None,
+) -> Tuple[List[mx.array], Optional[mx.array]]:
+    """Clip the reduced pieces, update them and all-gather the parameters.
+
+    Returns:
+        tuple: The new full parameters in tree order, and the global gradient
+        norm before clipping (``None`` without ``max_norm``).
+    """
+    stage = stage or Stages(False)
+    norm = None
+    if max_norm is not None:
+        pieces, norm = clip_pieces(pieces, group, max_norm)
+
+    new_pieces = update_shards(
+        plan, pieces, params, optimizers, group.rank(), masters, master_dtype
+    )
+    del pieces
+    stage(new_pieces, [o.state for o in optimizers], [] if norm is None else norm, masters or [])
+
+    new_params = [None] * plan.num_arrays
+    last = norm
+    for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
+        full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=last)
+        last = full[0]
+        stage(full)
+        for slot, p in zip(bucket.slots, full):
+            new_params[slot.index] = p
+    return new_params, norm
+
+
 def sharded_update(
     plan: Plan,
     grads: Sequence[mx.array],
@@ -327,6 +412,8 @@ def sharded_update(
     method: str = "native",
     stream: Optional[mx.Stream] = None,
     staged: bool = True,
+    masters: Optional[dict] = None,
+    master_dtype: Optional[mx.Dtype] = None,
 ) -> Tuple[List[mx.array], Optional[mx.array]]:
     """One sharded optimizer step over flat lists of arrays.
 
@@ -344,35 +431,19 @@ def sharded_update(
         stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
         staged (bool): Evaluate bucket by bucket when not traced, see
             :class:`Stages`. Default: ``True``.
+        masters (dict, optional): Master copies, see :func:`update_shards`.
+            Default: ``None``.
+        master_dtype (Dtype, optional): See :func:`update_shards`. Default: ``None``.
 
     Returns:
         tuple: The new full parameters in tree order, and the global gradient
         norm before clipping (``None`` without ``max_norm``).
     """
     stage = Stages(staged)
-    pieces, last = [], None
-    for bucket in plan.buckets:
-        bucket_pieces = reduce_bucket(
-            bucket, grads, group, dp_group, method=method, stream=stream, last=last
-        )
-        pieces.append(bucket_pieces)
-        last = bucket_pieces[0]
-        stage(bucket_pieces)
-
-    norm = None
-    if max_norm is not None:
-        pieces, norm = clip_pieces(pieces, group, max_norm)
-
-    new_pieces = update_shards(plan, pieces, params, optimizers, group.rank())
-    del pieces
-    stage(new_pieces, [o.state for o in optimizers], [] if norm is None else norm)
-
-    new_params = [None] * len(grads)
-    last = norm
-    for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
-        full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=last)
-        last = full[0]
-        stage(full)
-        for slot, p in zip(bucket.slots, full):
-            new_params[slot.index] = p
-    return new_params, norm
+    pieces = reduce_all(
+        plan, grads, group, dp_group, method=method, stream=stream, stage=stage
+    )
+    return finish_step(
+        plan, pieces, params, optimizers, group, max_norm=max_norm, stream=stream,
+        stage=stage, masters=masters, master_dtype=master_dtype,
+    )

@@ -1,0 +1,115 @@
+"""fp32 master weights and gradient accumulation (issue 4, parts 1 and 2)."""
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+
+import mlx_fsdp
+from launch import run_ranks
+
+F32_TOL = 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fp32_masters_match_ddp_masters_within_one_bf16_ulp(n):
+    results = run_ranks(n, "precision.py", [4])
+    assert [r["reduce_dtype"] for r in results] == ["None", "mlx.core.float32"]
+    for r in results:
+        assert r["ulps_vs_ddp"] <= 1.0, r
+        if n == 2 and r["reduce_dtype"] == "None":
+            assert r["ulps_vs_ref"] <= 1.0, r
+        assert r["param_dtypes"] == ["mlx.core.bfloat16"], "the model must stay bfloat16"
+        assert r["master_dtypes"] == r["state_dtypes"] == ["mlx.core.float32"], r
+        assert r["num_masters"] == r["num_params"], r
+        # 1/N of DDP's masters, plus the padding of the tiny arrays.
+        assert 1 / n <= r["master_fraction"] <= 1 / n + 0.02, r
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_accumulation_equals_one_step_on_the_concatenated_batch(n):
+    (r,) = run_ranks(n, "accumulate.py", [3, 2])
+    for name in ("fsdp_local", "fsdp_sharded", "ddp_local"):
+        assert r["max_diff"][name] <= F32_TOL, r
+        assert r["moved_early"][name] == 0, f"{name} changed the model before the last micro-batch"
+        assert r["opt_steps"][name] == r["ref_steps"] == 2, r
+
+
+def _model():
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
+
+
+def _loss(model, x, y):
+    return nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="mean")
+
+
+def test_one_process_masters_are_the_plain_optimizer_on_an_fp32_copy():
+    model, ref_model = _model(), _model()
+    opt = mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-3), master_dtype=mx.float32)
+    ref, master = optim.Adam(learning_rate=1e-3), None
+    for step in range(3):
+        x = mx.random.normal((8, 6), key=mx.random.key(step)).astype(mx.bfloat16)
+        y = mx.arange(8) % 3
+        _, g = nn.value_and_grad(model, _loss)(model, x, y)
+        opt.update(model, g)
+        _, g = nn.value_and_grad(ref_model, _loss)(ref_model, x, y)
+        if master is None:
+            master = {k: v for k, v in nn.utils.tree_map(
+                lambda p: p.astype(mx.float32), ref_model.trainable_parameters()).items()}
+        master = ref.apply_gradients(nn.utils.tree_map(lambda a: a.astype(mx.float32), g), master)
+        ref_model.update(nn.utils.tree_map(lambda p: p.astype(mx.bfloat16), master))
+        mx.eval(model.parameters(), opt.state, ref_model.parameters(), master)
+    for (k, a), (_, b) in zip(nn.utils.tree_flatten(model.parameters()),
+                              nn.utils.tree_flatten(ref_model.parameters())):
+        assert a.dtype == mx.bfloat16 and mx.array_equal(a, b), k
+    assert all(v.dtype == mx.float32 for v in opt.state["master"].values())
+    assert opt.step.item() == 3
+
+
+def test_init_builds_masters_and_fp32_state():
+    model = _model()
+    opt = mlx_fsdp.ddp_step(optim.Adam(learning_rate=1e-3), master_dtype=mx.float32)
+    opt.init(model.trainable_parameters())
+    assert set(opt.state["master"]) == {k for k, _ in nn.utils.tree_flatten(model.trainable_parameters())}
+    m = opt.state["optimizer"]["layers"][0]["weight"]["m"]
+    assert m.dtype == mx.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(grad_accumulation_steps=0), "grad_accumulation_steps=0"),
+        (dict(grad_accumulation_steps=2.0), "grad_accumulation_steps=2.0"),
+        (dict(accumulation="global"), "accumulation='global'"),
+        (dict(master_dtype=mx.int32), "master_dtype=mlx.core.int32"),
+        (dict(reduce_dtype="float32"), "reduce_dtype='float32'"),
+    ],
+)
+def test_bad_options_name_the_value(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), **kwargs)
+
+
+def test_ddp_has_no_sharded_accumulation():
+    with pytest.raises(TypeError):
+        mlx_fsdp.ddp_step(optim.SGD(learning_rate=0.1), accumulation="sharded")
+
+
+def test_accumulation_inside_compile_is_refused():
+    model = _model()
+    opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), grad_accumulation_steps=2)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        _, g = nn.value_and_grad(model, _loss)(model, x, y)
+        opt.update(model, g)
+
+    with pytest.raises(ValueError, match="inside mx.compile"):
+        step(mx.ones((2, 6), mx.bfloat16), mx.array([0, 1]))
