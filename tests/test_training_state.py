@@ -113,3 +113,19 @@ def test_accumulation_inside_compile_is_refused():
 
     with pytest.raises(ValueError, match="inside mx.compile"):
         step(mx.ones((2, 6), mx.bfloat16), mx.array([0, 1]))
+
+
+def test_master_shards_reshard_through_a_checkpoint(tmp_path):
+    first, second = str(tmp_path / "n2"), str(tmp_path / "n3")
+    (r,) = run_ranks(2, "ckpt_master.py", ["save", first])
+    assert r["masters"] == 11
+    (r,) = run_ranks(3, "ckpt_master.py", ["resave", first, second])
+    assert r["masters"] == 11
+    mlx_fsdp.consolidate_checkpoint(first, str(tmp_path / "a.safetensors"))
+    mlx_fsdp.consolidate_checkpoint(second, str(tmp_path / "b.safetensors"))
+    a, b = mx.load(str(tmp_path / "a.safetensors")), mx.load(str(tmp_path / "b.safetensors"))
+    masters = [k for k in a if k.startswith("master.")]
+    assert len(masters) == 11 and all(a[k].dtype == mx.float32 for k in masters)
+    assert set(a) == set(b)
+    for k in a:
+        assert mx.array_equal(a[k], b[k]), f"{k} changed in the N=2 -> N=3 round trip"
