@@ -1,8 +1,10 @@
 """Fully sharded data parallel optimizer steps for MLX.
 
-Wrap any element-wise ``mlx.optimizers`` optimizer with :func:`fsdp_step` and
-each rank keeps and updates 1/N of the optimizer state, with the same result
-as plain data parallelism (:func:`ddp_step`).
+Wrap any ``mlx.optimizers`` optimizer with :func:`fsdp_step` and each rank
+keeps and updates 1/N of the optimizer state, with the same result as plain
+data parallelism (:func:`ddp_step`). Element-wise optimizers run on flat
+shards; shape-aware ones (Muon, Adafactor) on whole arrays, each on one
+owner rank.
 """
 
 from .collectives import reduce_scatter_method, supports_sum_scatter
@@ -10,6 +12,7 @@ from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
 from .fsdp import ShardedOptimizer, fsdp_step
 from .hybrid import hybrid_groups
+from .placement import register_placement
 from .plan import Plan, build_plan
 
 __version__ = "0.1.0"
@@ -19,6 +22,7 @@ __all__ = [
     "ddp_step",
     "fsdp_apply_gradients",
     "hybrid_groups",
+    "register_placement",
     "ShardedOptimizer",
     "ReplicatedOptimizer",
     "Plan",

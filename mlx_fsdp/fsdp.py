@@ -4,7 +4,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import _trees, placement
+from . import _trees
+from . import placement as placement_rules
 from .hybrid import check_hybrid
 from .sharded import (
     apply_sharded,
@@ -26,10 +27,13 @@ class ShardedOptimizer(DistributedOptimizer):
     wrapped optimizer, and the updated shards are all-gathered.
 
     The wrapped optimizer's state (``opt.state["optimizer"]``) holds, for each
-    sub-optimizer, ``state["shards"][path]``: this rank's ``(cols,)`` piece of
-    the parameter at ``path`` (row ``rank`` of its zero-padded ``(N, cols)``
-    layout, see :mod:`mlx_fsdp.plan`), so it depends on the world size but not
-    on ``communication_size``. With a single process it is exactly the plain
+    sub-optimizer, ``state["shards"][path]``. For a flat-placed parameter it
+    is this rank's ``(cols,)`` piece (row ``rank`` of its zero-padded
+    ``(N, cols)`` layout, see :mod:`mlx_fsdp.plan`), on every rank. For an
+    owner-placed parameter it exists only on the owner rank
+    (``Slot.owner``) and is exactly the plain optimizer's state for the whole
+    array. Either way it depends on the world size but not on
+    ``communication_size``. With a single process it is exactly the plain
     optimizer's state.
     """
 
@@ -42,9 +46,10 @@ class ShardedOptimizer(DistributedOptimizer):
         communication_size: int = 32 * 1024**2,
         max_norm: Optional[float] = None,
         communication_stream: Optional[mx.Stream] = None,
+        placement=None,
     ):
         super().__init__(optimizer, group, max_norm)
-        placement.check_supported(optimizer)
+        placement_rules.resolve(optimizer, placement)
         check_hybrid(self.group, dp_group)
         if not isinstance(communication_size, int) or isinstance(communication_size, bool):
             raise ValueError(
@@ -54,6 +59,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self.dp_group = dp_group
         self.communication_size = communication_size
         self.communication_stream = communication_stream
+        self.placement = placement
         self._verified = set()
         self._plan = None
 
@@ -67,7 +73,7 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def _check_same_plan(self, plan):
         if self._plan is None:
-            check_state_fits(plan, self.optimizer)
+            check_state_fits(plan, self.optimizer, self.group.rank())
             self._plan = plan
         elif plan is not self._plan and plan != self._plan:
             raise ValueError(
@@ -100,6 +106,7 @@ class ShardedOptimizer(DistributedOptimizer):
             stream=self.communication_stream,
             verified=self._verified,
             on_plan=self._check_same_plan,
+            placement=self.placement,
         )
         self._set_grad_norm(norm)
         return new
@@ -119,12 +126,18 @@ class ShardedOptimizer(DistributedOptimizer):
             self.optimizer.init(parameters)
             return
         flat, flat_params = _trees.match(parameters, parameters)
-        plan = plan_for(flat, flat_params, self.optimizer, n, self.communication_size)
+        plan = plan_for(
+            flat, flat_params, self.optimizer, n, self.communication_size, self.placement
+        )
         verify_once(plan, self.group, self.dp_group, self._verified)
         rank = self.group.rank()
+
+        def piece(s):
+            p = flat_params[s.index]
+            return p if s.owner is not None else local_piece(s, p, rank)
+
         for o, opt in enumerate(sub_optimizers(self.optimizer)):
-            pieces = shard_tree(plan, o, lambda s: local_piece(s, flat_params[s.index], rank))
-            opt.init({"shards": pieces})
+            opt.init({"shards": shard_tree(plan, o, piece, rank)})
         self._check_same_plan(plan)
 
 
@@ -136,6 +149,7 @@ def fsdp_step(
     communication_size: int = 32 * 1024**2,
     max_norm: Optional[float] = None,
     communication_stream: Optional[mx.Stream] = None,
+    placement=None,
 ) -> ShardedOptimizer:
     """Wrap an optimizer so that its state and its work are sharded over ranks.
 
@@ -155,10 +169,16 @@ def fsdp_step(
     this rank's shard and all-gathers the updated parameters. The first step
     checks across ranks that every rank built the same plan.
 
+    Element-wise optimizers (SGD, RMSprop, Adagrad, AdaDelta, Adam, AdamW,
+    Adamax, Lion, and Muon on 0-D/1-D arrays) run on flat ``1/N`` pieces of
+    every array. Shape-aware ones (Muon on >= 2-D arrays, Adafactor, and any
+    optimizer class mlx_fsdp does not know) run unmodified on whole arrays,
+    each kept on one owner rank chosen to balance the work (see
+    :mod:`mlx_fsdp.owners`). Both are exact.
+
     Args:
-        optimizer (mlx.optimizers.Optimizer): An element-wise optimizer (SGD,
-            RMSprop, Adagrad, AdaDelta, Adam, AdamW, Adamax, Lion) or a
-            ``MultiOptimizer`` of them.
+        optimizer (mlx.optimizers.Optimizer): Any MLX optimizer, or a
+            ``MultiOptimizer`` (its filters see full paths and full arrays).
         group (mlx.core.distributed.Group, optional): The shard group. ``None``
             means the global group. Default: ``None``.
         dp_group (mlx.core.distributed.Group, optional): The replica group for
@@ -171,6 +191,13 @@ def fsdp_step(
             Default: ``None``.
         communication_stream (mlx.core.Stream, optional): Stream for the
             collectives. Default: ``None``.
+        placement (str, callable or list, optional): How arrays are placed:
+            ``"flat"`` (element-wise optimizers: 1/N of every array per rank),
+            ``"owner"`` (whole arrays on owner ranks), a callable
+            ``(path, shape) -> "flat" | "owner"``, or a list with one of those
+            (or ``None``) per sub-optimizer of a ``MultiOptimizer``. ``None``
+            decides from the optimizer's class (see
+            :func:`mlx_fsdp.register_placement`). Default: ``None``.
 
     Returns:
         ShardedOptimizer: The wrapper.
@@ -182,4 +209,5 @@ def fsdp_step(
         communication_size=communication_size,
         max_norm=max_norm,
         communication_stream=communication_stream,
+        placement=placement,
     )

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import clip, collectives
+from . import clip, collectives, owners
 from .plan import Bucket, Plan, Slot
 
 
@@ -30,6 +30,8 @@ def pack(bucket: Bucket, grads: Sequence[mx.array], n: int) -> mx.array:
     Returns:
         array: Row ``r`` is rank ``r``'s shard of the bucket.
     """
+    if bucket.owned:
+        return owners.pack(bucket, grads, n)
     parts = []
     for slot in bucket.slots:
         flat = grads[slot.index].reshape(-1)
@@ -72,6 +74,8 @@ def unpack(bucket: Bucket, gathered: mx.array) -> List[mx.array]:
         list[array]: The arrays in slot order, padding dropped, each in the
         bucket's parameter dtype.
     """
+    if bucket.owned:
+        return owners.unpack(bucket, gathered)
     dtype = getattr(mx, bucket.param_dtype)
     single = len(bucket.slots) == 1
     out = []
@@ -122,9 +126,10 @@ def reduce_gradients(
     total = n * (dp_group.size() if dp_group is not None else 1)
     shards = []
     for bucket in plan.buckets:
-        s = collectives.reduce_scatter(
-            pack(bucket, grads, n), group, method=method, stream=stream
-        )
+        x = pack(bucket, grads, n)
+        if shards and plan.has_owners:
+            x = owners.after(x, shards[-1])
+        s = collectives.reduce_scatter(x, group, method=method, stream=stream)
         if dp_group is not None and dp_group.size() > 1:
             s = mx.distributed.all_sum(s, group=dp_group, stream=stream)
         shards.append(s / total)
@@ -141,7 +146,8 @@ def update_shards(
     """Run each (sub-)optimizer on this rank's pieces of its parameters.
 
     The optimizer sees ``{"shards": {path: piece}}``: one ``(cols,)`` piece per
-    parameter, cut from the bucket shard. Its state is therefore per parameter,
+    flat parameter, cut from the bucket shard, and the whole array of every
+    parameter this rank owns. Its state is therefore per parameter,
     ``state["shards"][path]``, and depends on the world size but not on the
     bucket budget. Running per parameter also keeps the optimizer's
     temporaries as small as a parameter's piece rather than a whole bucket's.
@@ -163,14 +169,22 @@ def update_shards(
             bucket, shard = plan.buckets[i], grad_shards[i]
             single = len(bucket.slots) == 1
             for slot in bucket.slots:
+                if slot.owner is not None:
+                    # Owned arrays are updated whole, on their owner only.
+                    if slot.owner == rank:
+                        grads[slot.path] = owners.whole(slot, shard)
+                        pieces[slot.path] = params[slot.index]
+                    continue
                 grads[slot.path] = shard if single else shard[slot.offset : slot.offset + slot.cols]
                 pieces[slot.path] = local_piece(slot, params[slot.index], rank)
         new_pieces.update(opt.apply_gradients({"shards": grads}, {"shards": pieces})["shards"])
     return [
-        new_pieces[b.slots[0].path]
+        owners.row(b, new_pieces, rank, grad_shards[i])
+        if b.owned
+        else new_pieces[b.slots[0].path]
         if len(b.slots) == 1
         else mx.concatenate([new_pieces[s.path] for s in b.slots])
-        for b in plan.buckets
+        for i, b in enumerate(plan.buckets)
     ]
 
 
@@ -215,8 +229,11 @@ def sharded_update(
     new_shards = update_shards(plan, shards, params, optimizers, group.rank())
 
     new_params = [None] * len(grads)
+    previous = shards
     for bucket, shard in zip(plan.buckets, new_shards):
-        gathered = collectives.all_gather(shard, group, stream=stream)
+        if plan.has_owners:
+            shard = owners.after(shard, previous)
+        gathered = previous = collectives.all_gather(shard, group, stream=stream)
         for slot, p in zip(bucket.slots, unpack(bucket, gathered)):
             new_params[slot.index] = p
     return new_params, norm
