@@ -121,8 +121,12 @@ def check_state_fits(plan: Plan, optimizer, rank: Optional[int] = None):
         if states is None:
             continue
         expected = shard_tree(plan, o, lambda s: s)
-        mine = shard_tree(plan, o, lambda s: s, rank)
-        if not (set(mine) <= set(states) <= set(expected)) or any(
+        if rank is None:
+            required = {p for p, s in expected.items() if s.owner is None}
+            allowed = set(expected)
+        else:
+            required = allowed = set(shard_tree(plan, o, lambda s: s, rank))
+        if not (required <= set(states) <= allowed) or any(
             not _fits(v, expected[path])
             for path, s in states.items()
             for v in s.values()

@@ -54,6 +54,10 @@ def is_matrix(path, g):
     return g.ndim >= 2 and "embed" not in path
 
 
+class UnknownMuon(optim.Muon):
+    """A subclass mlx_fsdp does not know: placed on owners by default, with a warning."""
+
+
 OPTIMIZERS = {
     "muon": lambda: optim.Muon(learning_rate=0.02),
     "adafactor": lambda: optim.Adafactor(learning_rate=1e-2, relative_step=False, beta_1=0.9),
@@ -61,7 +65,17 @@ OPTIMIZERS = {
     "muon_adamw": lambda: optim.MultiOptimizer(
         [optim.Muon(learning_rate=0.02), optim.AdamW(learning_rate=1e-2)], [is_matrix]
     ),
+    # Muon gets one matrix: most ranks own nothing for it.
+    "muon_one": lambda: optim.MultiOptimizer(
+        [optim.Muon(learning_rate=0.02), optim.AdamW(learning_rate=1e-2)],
+        [lambda path, g: path == "mix"],
+    ),
+    "unknown": lambda: UnknownMuon(learning_rate=0.02),
+    # The negative control: Muon forced onto flat shards is not Muon.
+    "muon_flat": lambda: optim.Muon(learning_rate=0.02),
 }
+
+PLACEMENT = {"muon_flat": "flat"}
 
 
 def averaged_grads(model, step, world):
@@ -100,7 +114,8 @@ def owned_state_diff(fsdp, ref, plan, rank):
 def run(group, name, max_norm, comm, init, steps):
     n, rank = group.size(), group.rank()
     model, ref_model = make_model(), make_model()
-    opt = mlx_fsdp.fsdp_step(OPTIMIZERS[name](), max_norm=max_norm, communication_size=comm)
+    opt = mlx_fsdp.fsdp_step(OPTIMIZERS[name](), max_norm=max_norm, communication_size=comm,
+                             placement=PLACEMENT.get(name))
     ref = OPTIMIZERS[name]()
     if init:
         opt.init(model.trainable_parameters())
