@@ -91,7 +91,7 @@ def _rule_of(optimizer) -> Rule:
             "per-array update). If its update is element-wise, pass "
             "placement='flat' or call mlx_fsdp.register_placement("
             f"{cls.__name__}, 'flat') to shard it evenly.",
-            stacklevel=4,
+            stacklevel=5,
         )
     return OWNER
 

@@ -282,3 +282,9 @@ def test_shape_aware_optimizers_equal_plain_mlx(n):
             assert "conv.bias" in r["owned"] and "scale" in r["owned"], r
         if name == "muon_one":
             assert list(r["owned"]) == ["mix"], r
+
+
+def test_owner_placement_inside_mx_compile_equals_eager():
+    (r,) = run_ranks(2, "owners_compiled.py")
+    assert r["owner_buckets"] >= 1, r
+    assert r["max_diff"] <= F32_TOL, r
