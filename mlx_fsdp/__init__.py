@@ -1,8 +1,10 @@
 """Fully sharded data parallel optimizer steps for MLX.
 
-Wrap any element-wise ``mlx.optimizers`` optimizer with :func:`fsdp_step` and
-each rank keeps and updates 1/N of the optimizer state, with the same result
-as plain data parallelism (:func:`ddp_step`).
+Wrap any ``mlx.optimizers`` optimizer with :func:`fsdp_step` and each rank
+keeps and updates 1/N of the optimizer state, with the same result as plain
+data parallelism (:func:`ddp_step`). Element-wise optimizers run on flat
+shards; shape-aware ones (Muon, Adafactor) on whole arrays, each on one
+owner rank.
 """
 
 from .checkpoint import (
@@ -16,6 +18,7 @@ from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
 from .fsdp import ShardedOptimizer, fsdp_step
 from .hybrid import hybrid_groups
+from .placement import register_placement
 from .plan import Plan, build_plan
 
 __version__ = "0.1.0"
@@ -29,6 +32,7 @@ __all__ = [
     "load_checkpoint",
     "consolidate_checkpoint",
     "CheckpointError",
+    "register_placement",
     "ShardedOptimizer",
     "ReplicatedOptimizer",
     "Plan",

@@ -5,6 +5,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .hybrid import check_hybrid
+from .placement import resolve
 from .sharded import apply_sharded, check_state_fits
 from .wrapper import group_or_global
 
@@ -22,6 +23,7 @@ def fsdp_apply_gradients(
     communication_size: int = 32 * 1024**2,
     communication_stream: Optional[mx.Stream] = None,
     max_norm: Optional[float] = None,
+    placement=None,
 ):
     """Sharded optimizer step with the arguments and returns of MLX 0.31's function.
 
@@ -37,7 +39,8 @@ def fsdp_apply_gradients(
     Args:
         gradients (Any): This rank's local gradients.
         parameters (Any): The full parameters (a superset of the gradients).
-        optimizer (mlx.optimizers.Optimizer): An element-wise optimizer.
+        optimizer (mlx.optimizers.Optimizer): Any MLX optimizer; shape-aware
+            ones (Muon, Adafactor) update whole arrays on owner ranks.
         fsdp_group (mlx.core.distributed.Group, optional): The shard group.
             ``None`` means the global group. Default: ``None``.
         dp_group (mlx.core.distributed.Group, optional): The replica group of
@@ -46,6 +49,9 @@ def fsdp_apply_gradients(
         communication_stream (mlx.core.Stream, optional): Stream for the
             collectives. Default: ``None``.
         max_norm (float, optional): Clip to this global norm. Default: ``None``.
+        placement (optional): ``"flat"``, ``"owner"``, a callable or a list per
+            sub-optimizer, as in :func:`mlx_fsdp.fsdp_step`. Default: ``None``
+            (decided from the optimizer).
 
     Returns:
         The updated parameters (shaped like ``gradients``), or
@@ -54,6 +60,7 @@ def fsdp_apply_gradients(
     """
     group = group_or_global(fsdp_group)
     check_hybrid(group, dp_group)
+    resolve(optimizer, placement)
     new, norm, _ = apply_sharded(
         gradients,
         parameters,
@@ -64,6 +71,7 @@ def fsdp_apply_gradients(
         max_norm=max_norm,
         stream=communication_stream,
         verified=_verified.setdefault(id(group), set()),
-        on_plan=lambda plan: check_state_fits(plan, optimizer),
+        on_plan=lambda plan: check_state_fits(plan, optimizer, group.rank()),
+        placement=placement,
     )
     return new if max_norm is None else (new, norm)

@@ -4,7 +4,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import _trees, placement
+from . import _trees
+from . import placement as placement_rules
 from .hybrid import check_hybrid
 from .sharded import (
     apply_sharded,
@@ -46,6 +47,7 @@ class ShardedOptimizer(DistributedOptimizer):
         reduce_dtype: Optional[mx.Dtype] = None,
         grad_accumulation_steps: int = 1,
         accumulation: str = "local",
+        placement=None,
     ):
         super().__init__(
             optimizer,
@@ -56,7 +58,7 @@ class ShardedOptimizer(DistributedOptimizer):
             grad_accumulation_steps=grad_accumulation_steps,
             accumulation=accumulation,
         )
-        placement.check_supported(optimizer)
+        placement_rules.resolve(optimizer, placement)
         check_hybrid(self.group, dp_group)
         if not isinstance(communication_size, int) or isinstance(communication_size, bool):
             raise ValueError(
@@ -66,6 +68,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self.dp_group = dp_group
         self.communication_size = communication_size
         self.communication_stream = communication_stream
+        self.placement = placement
         self._verified = set()
         self._plan = None
 
@@ -79,7 +82,7 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def _check_same_plan(self, plan):
         if self._plan is None:
-            check_state_fits(plan, self.optimizer)
+            check_state_fits(plan, self.optimizer, self.group.rank())
             self._plan = plan
         elif plan is not self._plan and plan != self._plan:
             raise ValueError(
@@ -106,6 +109,7 @@ class ShardedOptimizer(DistributedOptimizer):
             on_plan=self._check_same_plan,
             masters=self._masters(),
             master_dtype=self.master_dtype,
+            placement=self.placement,
             **accumulate,
         )
         if new is None:  # a micro-batch of sharded accumulation
@@ -129,11 +133,18 @@ class ShardedOptimizer(DistributedOptimizer):
             self.optimizer.init(_trees.like(parameters, self._initial_masters(
                 [k for k, _ in flat], flat_params)))
             return
-        plan = plan_for(flat, flat_params, self.optimizer, n, self.communication_size)
+        plan = plan_for(
+            flat, flat_params, self.optimizer, n, self.communication_size, self.placement
+        )
         verify_once(plan, self.group, self.dp_group, self._verified)
         rank = self.group.rank()
+
+        def piece(s):
+            p = flat_params[s.index]
+            return p if s.owner is not None else local_piece(s, p, rank)
+
         for o, opt in enumerate(sub_optimizers(self.optimizer)):
-            pieces = shard_tree(plan, o, lambda s: local_piece(s, flat_params[s.index], rank))
+            pieces = shard_tree(plan, o, piece, rank)
             steps = self._initial_masters(list(pieces), list(pieces.values()))
             opt.init({"shards": dict(zip(pieces, steps))})
         self._check_same_plan(plan)
@@ -151,6 +162,7 @@ def fsdp_step(
     reduce_dtype: Optional[mx.Dtype] = None,
     grad_accumulation_steps: int = 1,
     accumulation: str = "local",
+    placement=None,
 ) -> ShardedOptimizer:
     """Wrap an optimizer so that its state and its work are sharded over ranks.
 
@@ -170,10 +182,16 @@ def fsdp_step(
     this rank's shard and all-gathers the updated parameters. The first step
     checks across ranks that every rank built the same plan.
 
+    Element-wise optimizers (SGD, RMSprop, Adagrad, AdaDelta, Adam, AdamW,
+    Adamax, Lion, and Muon on 0-D/1-D arrays) run on flat ``1/N`` pieces of
+    every array. Shape-aware ones (Muon on >= 2-D arrays, Adafactor, and any
+    optimizer class mlx_fsdp does not know) run unmodified on whole arrays,
+    each kept on one owner rank chosen to balance the work (see
+    :mod:`mlx_fsdp.owners`). Both are exact.
+
     Args:
-        optimizer (mlx.optimizers.Optimizer): An element-wise optimizer (SGD,
-            RMSprop, Adagrad, AdaDelta, Adam, AdamW, Adamax, Lion) or a
-            ``MultiOptimizer`` of them.
+        optimizer (mlx.optimizers.Optimizer): Any MLX optimizer, or a
+            ``MultiOptimizer`` (its filters see full paths and full arrays).
         group (mlx.core.distributed.Group, optional): The shard group. ``None``
             means the global group. Default: ``None``.
         dp_group (mlx.core.distributed.Group, optional): The replica group for
@@ -202,6 +220,13 @@ def fsdp_step(
             ``"sharded"`` reduce-scatters every micro-batch and keeps only
             this rank's 1/N of the sum (k times the communication).
             Default: ``"local"``.
+        placement (str, callable or list, optional): How arrays are placed:
+            ``"flat"`` (element-wise optimizers: 1/N of every array per rank),
+            ``"owner"`` (whole arrays on owner ranks), a callable
+            ``(path, shape) -> "flat" | "owner"``, or a list with one of those
+            (or ``None``) per sub-optimizer of a ``MultiOptimizer``. ``None``
+            decides from the optimizer's class (see
+            :func:`mlx_fsdp.register_placement`). Default: ``None``.
 
     Returns:
         ShardedOptimizer: The wrapper.
@@ -217,4 +242,5 @@ def fsdp_step(
         reduce_dtype=reduce_dtype,
         grad_accumulation_steps=grad_accumulation_steps,
         accumulation=accumulation,
+        placement=placement,
     )

@@ -1,45 +1,159 @@
-"""Which optimizers give the same result on a flat shard as on the whole array.
+"""Where each array is updated: as flat shards on every rank, or whole on one owner.
 
 An element-wise optimizer updates every element from that element's gradient
-and state alone, so running it on any slice of a flattened array is exact.
-Shape-aware optimizers (Muon's Newton-Schulz, Adafactor's factored second
-moment) need whole matrices; running them on a flat shard silently changes
-their math, so they are refused rather than approximated.
+and state alone, so running it on any slice of a flattened array is exact:
+its arrays get the ``"flat"`` placement. Shape-aware optimizers (Muon's
+Newton-Schulz, Adafactor's factored second moment and its per-array RMS) need
+whole arrays: theirs get the ``"owner"`` placement, kept whole on one rank.
+
+The placement is decided per sub-optimizer and per array, from a small
+registry keyed by the optimizer's exact class (a subclass may override
+``apply_single`` with shape-aware math, so it does not inherit its parent's
+entry). An optimizer missing from the registry gets ``"owner"``, the choice
+that is exact for any per-array update, and a warning once per class.
 """
+
+import warnings
+from typing import Callable, Sequence, Tuple, Union
 
 import mlx.optimizers as optim
 
-#: Optimizer classes known to be element-wise (exact on flat shards).
-ELEMENTWISE = (
-    optim.SGD,
-    optim.RMSprop,
-    optim.Adagrad,
-    optim.AdaDelta,
-    optim.Adam,
-    optim.AdamW,
-    optim.Adamax,
-    optim.Lion,
-)
+FLAT = "flat"
+OWNER = "owner"
+
+#: A placement: ``"flat"``, ``"owner"``, or ``rule(path, shape) -> "flat" | "owner"``.
+Rule = Union[str, Callable[[str, Tuple[int, ...]], str]]
 
 
-def is_elementwise(optimizer) -> bool:
-    """Whether ``optimizer``'s update is known to be element-wise.
+def _muon(path, shape):
+    # Muon orthogonalizes only arrays with >= 2 dimensions; on 0-D and 1-D
+    # arrays it is momentum SGD, which is element-wise.
+    return OWNER if len(shape) >= 2 else FLAT
 
-    Only the exact classes listed in :data:`ELEMENTWISE` count: a subclass may
-    override ``apply_single`` with shape-aware math.
+
+_registry = {
+    optim.SGD: FLAT,
+    optim.RMSprop: FLAT,
+    optim.Adagrad: FLAT,
+    optim.AdaDelta: FLAT,
+    optim.Adam: FLAT,
+    optim.AdamW: FLAT,
+    optim.Adamax: FLAT,
+    optim.Lion: FLAT,
+    optim.Muon: _muon,
+    # Adafactor factors the second moment of >= 2-D arrays and, for every
+    # array, scales by the parameter's RMS and clips by the update's RMS.
+    optim.Adafactor: OWNER,
+}
+
+_warned = set()
+
+
+def _check_rule(rule, what: str):
+    if rule in (FLAT, OWNER) or callable(rule):
+        return
+    raise ValueError(
+        f"{what}={rule!r} is not a placement; use 'flat' (element-wise "
+        "optimizers), 'owner' (shape-aware ones: whole arrays on one rank), "
+        "None (decide from the optimizer) or a callable (path, shape) -> "
+        "'flat' | 'owner'."
+    )
+
+
+def register_placement(optimizer_class: type, rule: Rule):
+    """Declare how arrays updated by ``optimizer_class`` are placed.
+
+    Args:
+        optimizer_class (type): An ``mlx.optimizers.Optimizer`` subclass. Only
+            this exact class is affected, not its subclasses.
+        rule (str or callable): ``"flat"`` if its update is element-wise (exact
+            on any slice of a flattened array), ``"owner"`` if it needs whole
+            arrays, or ``rule(path, shape)`` returning one of those per array.
     """
-    return type(optimizer) in ELEMENTWISE
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, optim.Optimizer)):
+        raise ValueError(
+            f"optimizer_class={optimizer_class!r} is not an mlx.optimizers.Optimizer "
+            "subclass; pass the class itself, e.g. register_placement(MyOpt, 'owner')."
+        )
+    _check_rule(rule, "rule")
+    _registry[optimizer_class] = rule
 
 
-def check_supported(optimizer):
-    """Raise a clear error for an optimizer that cannot run on flat shards."""
-    parts = optimizer.optimizers if isinstance(optimizer, optim.MultiOptimizer) else [optimizer]
+def _rule_of(optimizer) -> Rule:
+    cls = type(optimizer)
+    if cls in _registry:
+        return _registry[cls]
+    if cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(
+            f"mlx_fsdp: {cls.__name__} is not known to be element-wise, so each "
+            "array it updates is kept whole on one owner rank (exact for any "
+            "per-array update). If its update is element-wise, pass "
+            "placement='flat' or call mlx_fsdp.register_placement("
+            f"{cls.__name__}, 'flat') to shard it evenly.",
+            stacklevel=5,
+        )
+    return OWNER
+
+
+def resolve(optimizer, placement=None) -> list:
+    """One placement rule per sub-optimizer, validated.
+
+    Args:
+        optimizer (mlx.optimizers.Optimizer): The wrapped optimizer.
+        placement (str, callable or list, optional): ``None`` decides from the
+            registry; one rule applies to every sub-optimizer; a list gives one
+            rule (or ``None``) per sub-optimizer of a ``MultiOptimizer``.
+            Default: ``None``.
+
+    Returns:
+        list: A rule (``"flat"``, ``"owner"`` or a callable) per sub-optimizer.
+    """
+    multi = isinstance(optimizer, optim.MultiOptimizer)
+    parts = list(optimizer.optimizers) if multi else [optimizer]
     for o in parts:
-        if not is_elementwise(o):
-            known = ", ".join(c.__name__ for c in ELEMENTWISE)
+        if isinstance(o, optim.MultiOptimizer):
             raise ValueError(
-                f"{type(o).__name__} is not known to be element-wise, and running it "
-                "on flat shards could silently change its math (Muon and Adafactor "
-                f"need whole matrices). The sharded step supports {known}; use "
-                "ddp_step for other optimizers."
+                "A MultiOptimizer nested inside a MultiOptimizer would call its "
+                "filters on the sharded step's inner tree, not on your parameters' "
+                "paths and full arrays. Flatten it into one MultiOptimizer with "
+                "all the filters."
             )
+    if isinstance(placement, (list, tuple)):
+        if len(placement) != len(parts):
+            raise ValueError(
+                f"placement has {len(placement)} entries but the optimizer has "
+                f"{len(parts)} sub-optimizers; give one entry (or None) per "
+                "sub-optimizer, in the MultiOptimizer's order."
+            )
+        rules = list(placement)
+    else:
+        rules = [placement] * len(parts)
+    for r in rules:
+        if r is not None:
+            _check_rule(r, "placement")
+    return [_rule_of(o) if r is None else r for o, r in zip(parts, rules)]
+
+
+def placements(rules: Sequence[Rule], flat_grads, optimizer_of: Sequence[int]) -> list:
+    """``"flat"`` or ``"owner"`` for every array.
+
+    Args:
+        rules (list): From :func:`resolve`, indexed by sub-optimizer.
+        flat_grads (list): ``(path, gradient)`` pairs.
+        optimizer_of (list[int]): The sub-optimizer of each array.
+
+    Returns:
+        list[str]: The placement of each array.
+    """
+    out = []
+    for (path, g), o in zip(flat_grads, optimizer_of):
+        rule = rules[o]
+        p = rule(path, tuple(g.shape)) if callable(rule) else rule
+        if p not in (FLAT, OWNER):
+            raise ValueError(
+                f"The placement rule of sub-optimizer {o} returned {p!r} for "
+                f"'{path}'; it must return 'flat' or 'owner'."
+            )
+        out.append(p)
+    return out

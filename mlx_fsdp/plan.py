@@ -10,14 +10,20 @@ Layout. Every array of ``size`` elements is viewed as ``(N, cols)`` with
 divide by ``N``. A bucket concatenates its arrays along axis 1, so row ``r``
 of a bucket is rank ``r``'s shard: a contiguous ``cols``-long piece of every
 array in it.
+
+Arrays placed on owners (see :mod:`mlx_fsdp.owners`) are kept whole instead:
+an owner bucket's row ``r`` holds the whole arrays rank ``r`` owns. Flat and
+owner arrays never share a bucket.
 """
 
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from . import owners as _owners
 
 #: Arrays of at least this many packed bytes get a bucket of their own.
 #: Sharing a collective only saves latency, which is negligible next to the
@@ -41,8 +47,13 @@ class Slot:
         index (int): The array's position in the flattened gradient tree.
         shape (tuple): The array's full shape.
         size (int): Number of elements.
-        cols (int): Elements of this array on each rank: ``ceil(size / N)``.
-        offset (int): First column of this array in the bucket's shard.
+        cols (int): Elements of this array on each rank: ``ceil(size / N)``
+            for a flat array, ``size`` for an owned one.
+        offset (int): First column of this array in the bucket's shard (in
+            its owner's row for an owned array).
+        owner (int, optional): ``None`` for the flat layout; otherwise the
+            rank that holds and updates the whole array, in columns
+            ``[offset, offset + size)`` of that rank's row.
     """
 
     path: str
@@ -51,6 +62,7 @@ class Slot:
     size: int
     cols: int
     offset: int
+    owner: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,15 @@ class Bucket:
     optimizer: int
     slots: Tuple[Slot, ...]
     cols: int
+
+    @property
+    def owned(self) -> bool:
+        """Whether the bucket holds whole arrays on owner ranks (not flat pieces)."""
+        return self.slots[0].owner is not None
+
+    def padding(self, world_size: int) -> int:
+        """Zeros in the packed ``(N, cols)`` bucket."""
+        return world_size * self.cols - sum(s.size for s in self.slots)
 
     def nbytes(self, world_size: int) -> int:
         """Bytes of the packed ``(N, cols)`` bucket, padding included."""
@@ -96,13 +117,18 @@ class Plan:
         return sum(len(b.slots) for b in self.buckets)
 
     @property
+    def has_owners(self) -> bool:
+        """Whether any array is kept whole on an owner rank."""
+        return any(b.owned for b in self.buckets)
+
+    @property
     def num_elements(self) -> int:
         return sum(s.size for b in self.buckets for s in b.slots)
 
     @property
     def num_padding(self) -> int:
         """Zeros added in all, over all ranks."""
-        return sum(self.world_size * s.cols - s.size for b in self.buckets for s in b.slots)
+        return sum(b.padding(self.world_size) for b in self.buckets)
 
     def fingerprint(self) -> str:
         """A hex digest that differs whenever any field of the plan differs."""
@@ -119,17 +145,21 @@ class Plan:
                 f"  bucket {i}: {b.dtype} (params {b.param_dtype}), optimizer "
                 f"{b.optimizer}, {len(b.slots)} arrays, shard {b.cols} elements, "
                 f"{b.nbytes(self.world_size)} bytes packed"
+                + (f", whole arrays on owners, padding {b.padding(self.world_size)}" if b.owned else "")
             )
             for s in b.slots:
-                lines.append(
-                    f"    {s.path} {s.shape}: cols [{s.offset}, {s.offset + s.cols})"
-                    f", padding {self.world_size * s.cols - s.size}"
-                )
+                if s.owner is not None:
+                    where = f"rank {s.owner} cols [{s.offset}, {s.offset + s.size})"
+                else:
+                    where = (f"cols [{s.offset}, {s.offset + s.cols}), padding "
+                             f"{self.world_size * s.cols - s.size}")
+                lines.append(f"    {s.path} {s.shape}: {where}")
         return "\n".join(lines)
 
 
-#: (path, shape, grad dtype name, param dtype name, optimizer index) per array.
-Signature = Tuple[Tuple[str, Tuple[int, ...], str, str, int], ...]
+#: (path, shape, grad dtype name, param dtype name, optimizer index[, placement])
+#: per array; placement is "flat" (the default when left out) or "owner".
+Signature = Tuple[tuple, ...]
 
 
 def _check_signature(signature: Signature):
@@ -139,7 +169,7 @@ def _check_signature(signature: Signature):
             "gradients of the model's trainable parameters, e.g. from "
             "nn.value_and_grad(model, loss_fn)."
         )
-    for path, shape, dtype, param_dtype, _ in signature:
+    for path, shape, dtype, param_dtype, *_ in signature:
         for name, what in ((dtype, "gradient"), (param_dtype, "parameter")):
             if not mx.issubdtype(getattr(mx, name), mx.floating):
                 raise ValueError(
@@ -153,17 +183,19 @@ def _check_signature(signature: Signature):
 def build_plan(signature: Signature, world_size: int, communication_size: int) -> Plan:
     """Build (or fetch from the cache) the plan for a tree signature.
 
-    Arrays are grouped by (sub-optimizer, gradient dtype, parameter dtype), in
-    tree order; a bucket is closed before an array that would take it past
-    ``communication_size`` bytes, so an array larger than the budget gets a
-    bucket of its own. So does every array of at least :data:`SOLO_BYTES`
-    (1 MiB): bucketing pays off for small arrays, whose collectives would be
-    dominated by latency, while a large array alone needs no copies to be
-    packed and unpacked.
+    Arrays are grouped by (sub-optimizer, gradient dtype, parameter dtype,
+    placement), in tree order; a bucket is closed before an array that would
+    take it past ``communication_size`` bytes, so an array larger than the
+    budget gets a bucket of its own. So does every flat-placed array of at
+    least :data:`SOLO_BYTES` (1 MiB): bucketing pays off for small arrays,
+    whose collectives would be dominated by latency, while a large array
+    alone needs no copies to be packed and unpacked. Owner-placed arrays get
+    their owners and bucket rows from :mod:`mlx_fsdp.owners`.
 
     Args:
-        signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer)``
-            for every array, in tree order. See :func:`signature_of`.
+        signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer
+            [, placement])`` for every array, in tree order. See
+            :func:`signature_of`.
         world_size (int): Number of ranks to shard over.
         communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
             array in a bucket of its own.
@@ -176,12 +208,31 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
         raise ValueError(f"world_size={world_size!r} must be a positive integer.")
 
     groups = {}
-    for index, (path, shape, dtype, param_dtype, optimizer) in enumerate(signature):
-        groups.setdefault((optimizer, dtype, param_dtype), []).append((index, path, shape))
+    for index, (path, shape, dtype, param_dtype, optimizer, *rest) in enumerate(signature):
+        owned = bool(rest) and rest[0] == "owner"
+        groups.setdefault((optimizer, dtype, param_dtype, owned), []).append((index, path, shape))
+    # One balance over all owned arrays: their updates all run in the same step.
+    owned_arrays = [
+        (path, tuple(shape), getattr(mx, dtype).size)
+        for (_, dtype, _, owned), entries in groups.items()
+        if owned
+        for _, path, shape in entries
+    ]
+    owner = _owners.assign(owned_arrays, world_size)
 
     buckets = []
-    for (optimizer, dtype, param_dtype), entries in groups.items():
+    for (optimizer, dtype, param_dtype, owned), entries in groups.items():
         itemsize = getattr(mx, dtype).size
+        if owned:
+            for cols, slots in _owners.layout(
+                entries, owner, world_size, itemsize, communication_size
+            ):
+                buckets.append(
+                    Bucket(dtype, param_dtype, optimizer,
+                           tuple(Slot(p, i, sh, sz, sz, off, r) for i, p, sh, sz, r, off in slots),
+                           cols)
+                )
+            continue
         current, used = [], 0
         for index, path, shape in entries:
             size = 1
@@ -215,6 +266,7 @@ def signature_of(
     flat_grads: Sequence[Tuple[str, mx.array]],
     flat_params: Sequence[mx.array],
     optimizer_of: Sequence[int] = None,
+    placement_of: Sequence[str] = None,
 ) -> Signature:
     """The hashable description of a flat gradient tree that a plan is built from.
 
@@ -223,12 +275,15 @@ def signature_of(
         flat_params (list): The matching parameters, in the same order.
         optimizer_of (list[int], optional): Sub-optimizer index of each array.
             Default: all ``0``.
+        placement_of (list[str], optional): ``"flat"`` or ``"owner"`` for each
+            array. Default: all ``"flat"``.
 
     Returns:
         tuple: The signature.
     """
     optimizer_of = optimizer_of or [0] * len(flat_grads)
+    placement_of = placement_of or ["flat"] * len(flat_grads)
     return tuple(
-        (path, tuple(g.shape), dtype_name(g.dtype), dtype_name(p.dtype), o)
-        for (path, g), p, o in zip(flat_grads, flat_params, optimizer_of)
+        (path, tuple(g.shape), dtype_name(g.dtype), dtype_name(p.dtype), o, where)
+        for (path, g), p, o, where in zip(flat_grads, flat_params, optimizer_of, placement_of)
     )

@@ -6,7 +6,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from . import _trees, clip, collectives, placement
+from . import _trees, clip, collectives
+from . import placement as placement_rules
 from .consistency import verify_plan
 from .plan import Plan, build_plan, signature_of
 from .plain import plain_step
@@ -24,37 +25,79 @@ def assign_optimizers(flat_grads, optimizer) -> list:
     """Which sub-optimizer updates each array.
 
     ``MultiOptimizer`` filters are called with the full path and the full
-    gradient, exactly as ``MultiOptimizer`` itself calls them, never with a shard.
+    gradient, exactly as ``MultiOptimizer`` itself calls them, never with a
+    shard. A filter must decide from the path and the shape: its answer fixes
+    the sharding plan, so an answer computed from the gradient's values (an
+    ``mx.array``) is refused.
     """
     if not isinstance(optimizer, optim.MultiOptimizer):
         return [0] * len(flat_grads)
     out = []
     for path, g in flat_grads:
         for i, fn in enumerate(optimizer.filters):
-            if fn(path, g):
+            chosen = fn(path, g)
+            if isinstance(chosen, mx.array):
+                raise ValueError(
+                    f"MultiOptimizer filter {i} returned an mx.array for '{path}', "
+                    "so it depends on the gradient's values. The sharded step "
+                    "fixes which sub-optimizer (and which rank) updates each array "
+                    "once; decide from the path and the shape, e.g. "
+                    "lambda path, g: g.ndim >= 2 and 'embed' not in path."
+                )
+            if chosen:
                 out.append(i)
                 break
     return out
 
 
 def plan_for(
-    flat_grads, flat_params, optimizer, world_size: int, communication_size: int
+    flat_grads,
+    flat_params,
+    optimizer,
+    world_size: int,
+    communication_size: int,
+    placement=None,
 ) -> Plan:
-    """The (cached) plan for a flat gradient tree."""
-    owners = assign_optimizers(flat_grads, optimizer)
+    """The (cached) plan for a flat gradient tree.
+
+    ``placement`` is the ``placement=`` argument of :func:`mlx_fsdp.fsdp_step`
+    (see :func:`mlx_fsdp.placement.resolve`).
+    """
+    optimizer_of = assign_optimizers(flat_grads, optimizer)
+    rules = placement_rules.resolve(optimizer, placement)
+    placement_of = placement_rules.placements(rules, flat_grads, optimizer_of)
     return build_plan(
-        signature_of(flat_grads, flat_params, owners), world_size, communication_size
+        signature_of(flat_grads, flat_params, optimizer_of, placement_of),
+        world_size,
+        communication_size,
     )
 
 
-def shard_tree(plan: Plan, optimizer_index: int, values) -> dict:
-    """``{path: values[path]}`` for the parameters one sub-optimizer updates."""
+def shard_tree(plan: Plan, optimizer_index: int, values, rank: Optional[int] = None) -> dict:
+    """``{path: values(slot)}`` for the parameters one sub-optimizer updates.
+
+    With ``rank``, arrays owned by other ranks are left out: they have no
+    state on this rank.
+    """
     return {
         s.path: values(s)
         for b in plan.buckets
         if b.optimizer == optimizer_index
         for s in b.slots
+        if rank is None or s.owner is None or s.owner == rank
     }
+
+
+def _fits(value: mx.array, slot) -> bool:
+    # A flat piece is (cols,). An owned array's state is the plain optimizer's
+    # for the whole array: shaped like it, or like it with dimensions dropped
+    # (Adafactor's row and column statistics).
+    if value.ndim == 0:
+        return True
+    if slot.owner is None:
+        return value.shape[0] == slot.cols
+    dims = iter(slot.shape)
+    return all(any(d == e for e in dims) for d in value.shape)
 
 
 def verify_once(plan: Plan, group, dp_group, verified: Set[str]):
@@ -67,19 +110,26 @@ def verify_once(plan: Plan, group, dp_group, verified: Set[str]):
         verified.add(key)
 
 
-def check_state_fits(plan: Plan, optimizer):
+def check_state_fits(plan: Plan, optimizer, rank: Optional[int] = None):
     """Raise if the optimizer holds shard state made for a different plan.
 
     A state made for another tree or world size has pieces of other lengths,
     which would fail deep inside the update or, worse, broadcast silently.
+    State of an owned array must be on its owner only (checked when ``rank``
+    is given) and shaped for the whole array.
     """
     for o, opt in enumerate(sub_optimizers(optimizer)):
         states = opt.state.get("shards")
         if states is None:
             continue
-        expected = shard_tree(plan, o, lambda s: s.cols)
-        if set(states) != set(expected) or any(
-            v.ndim >= 1 and v.shape[0] != expected[path]
+        expected = shard_tree(plan, o, lambda s: s)
+        if rank is None:
+            required = {p for p, s in expected.items() if s.owner is None}
+            allowed = set(expected)
+        else:
+            required = allowed = set(shard_tree(plan, o, lambda s: s, rank))
+        if not (required <= set(states) <= allowed) or any(
+            not _fits(v, expected[path])
             for path, s in states.items()
             for v in s.values()
             if isinstance(v, mx.array)
@@ -109,6 +159,7 @@ def apply_sharded(
     carry: Optional[dict] = None,
     finish: bool = True,
     divide: int = 1,
+    placement=None,
 ) -> Tuple[Any, Optional[mx.array], Optional[Plan]]:
     """One sharded step on trees.
 
@@ -135,13 +186,14 @@ def apply_sharded(
             the gradients into ``carry``. Default: ``True``.
         divide (int): Divide the (accumulated) gradients by this before the
             step: the number of micro-batches. Default: ``1``.
+        placement (optional): Flat or owner placement per sub-optimizer, see
+            :func:`mlx_fsdp.placement.resolve`. Default: ``None`` (registry).
 
     Returns:
         tuple: The updated parameters (shaped like ``gradients``; ``None``
         when ``finish`` is ``False``), the gradient norm before clipping (or
         ``None``), and the plan (``None`` on one rank).
     """
-    placement.check_supported(optimizer)
     n = group.size()
     replicas = dp_group.size() if dp_group is not None else 1
     flat_grads, flat_params = _trees.match(gradients, parameters)
@@ -149,12 +201,12 @@ def apply_sharded(
         return _one_process(gradients, parameters, optimizer, max_norm, masters,
                             master_dtype, carry, finish, divide)
 
-    plan = plan_for(flat_grads, flat_params, optimizer, n, communication_size)
+    plan = plan_for(flat_grads, flat_params, optimizer, n, communication_size, placement)
     verify_once(plan, group, dp_group, verified)
     if on_plan is not None:
         on_plan(plan)
     stage = Stages()
-    pieces = reduce_all(
+    pieces, last = reduce_all(
         plan, [g for _, g in flat_grads], group, dp_group,
         method=collectives.reduce_scatter_method(group), stream=stream, stage=stage,
     )
@@ -163,11 +215,11 @@ def apply_sharded(
         if not finish:
             return None, None, plan
     if divide != 1:
-        pieces = [[p / divide for p in b] for b in pieces]
+        pieces = [[None if p is None else p / divide for p in b] for b in pieces]
     new_params, norm = finish_step(
         plan, pieces, flat_params, sub_optimizers(optimizer), group,
         max_norm=max_norm, stream=stream, stage=stage, masters=masters,
-        master_dtype=master_dtype,
+        master_dtype=master_dtype, last=last,
     )
     return _trees.like(gradients, new_params), norm, plan
 
@@ -175,12 +227,14 @@ def apply_sharded(
 def _add_carry(plan, pieces, carry, finish, stage):
     """Add the carried pieces; keep the sums in ``carry`` unless this step finishes."""
     summed = [
-        [p + carry[s.path] if s.path in carry else p for s, p in zip(b.slots, bp)]
+        [p + carry[s.path] if p is not None and s.path in carry else p
+         for s, p in zip(b.slots, bp)]
         for b, bp in zip(plan.buckets, pieces)
     ]
     carry.clear()
     if not finish:
-        carry.update((s.path, p) for b, bp in zip(plan.buckets, summed) for s, p in zip(b.slots, bp))
+        carry.update((s.path, p) for b, bp in zip(plan.buckets, summed)
+                     for s, p in zip(b.slots, bp) if p is not None)
         stage(carry)
     return summed
 

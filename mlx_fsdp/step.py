@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import clip, collectives, master
+from . import clip, collectives, master, owners
 from .plan import Bucket, Plan, Slot
 
 
@@ -36,6 +36,13 @@ def pack(
     Returns:
         array: Row ``r`` is rank ``r``'s shard of the bucket.
     """
+    if bucket.owned:
+        packed = owners.pack(bucket, grads, n)
+        if last is None:
+            return packed
+        return mx.concatenate(
+            [packed, mx.broadcast_to(order_after(last, packed.dtype, 2)[0], (n, 0))], axis=1
+        )
     parts = []
     for slot in bucket.slots:
         flat = grads[slot.index].reshape(-1)
@@ -83,6 +90,8 @@ def unpack(bucket: Bucket, gathered: mx.array) -> List[mx.array]:
         list[array]: The arrays in slot order, padding dropped, each in the
         bucket's parameter dtype.
     """
+    if bucket.owned:
+        return owners.unpack(bucket, gathered)
     dtype = getattr(mx, bucket.param_dtype)
     single = len(bucket.slots) == 1
     out = []
@@ -174,12 +183,15 @@ def reduce_bucket(
             :func:`order_after`. Default: ``None``.
 
     Returns:
-        list[array]: This rank's averaged ``(cols,)`` piece of each slot.
+        tuple: This rank's averaged ``(cols,)`` piece of each slot (for an
+        owner bucket: the whole gradient of each array this rank owns, and
+        ``None`` for the others), and an array that depends on the
+        collective, to chain the next one after.
     """
     n = group.size()
     replicas = dp_group.size() if dp_group is not None else 1
     total = n * replicas
-    if method == "all_sum" and n > 1:
+    if method == "all_sum" and n > 1 and not bucket.owned:
         flat = join_pieces([grads[s.index].reshape(-1) for s in bucket.slots], last)
         summed = mx.distributed.all_sum(flat, group=group, stream=stream)
         rank = group.rank()
@@ -188,7 +200,8 @@ def reduce_bucket(
             for s, start in zip(bucket.slots, flat_starts(bucket))
         ]
         if replicas == 1:
-            return [p / total for p in pieces]
+            pieces = [p / total for p in pieces]
+            return pieces, pieces[0]
         row = join_pieces(pieces)
     else:
         row = collectives.reduce_scatter(
@@ -196,7 +209,14 @@ def reduce_bucket(
         )
     if replicas > 1:
         row = mx.distributed.all_sum(row, group=dp_group, stream=stream)
-    return split_row(bucket, row / total)
+    row = row / total
+    if bucket.owned:
+        rank = group.rank()
+        pieces = [owners.whole(s, row) if s.owner == rank else None for s in bucket.slots]
+        # A rank may own nothing here; the row still carries the collective.
+        return pieces, row[:1]
+    pieces = split_row(bucket, row)
+    return pieces, pieces[0]
 
 
 def gather_bucket(
@@ -211,7 +231,8 @@ def gather_bucket(
 
     Args:
         bucket (Bucket): The bucket.
-        pieces (list[array]): This rank's updated piece of each slot.
+        pieces (list[array]): This rank's updated piece of each slot
+            (``None`` for arrays owned by other ranks).
         group (mlx.core.distributed.Group): The shard group.
         stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
         last (array, optional): Run the collective only after this array
@@ -221,7 +242,11 @@ def gather_bucket(
     Returns:
         list[array]: The full parameters in slot order, in the parameter dtype.
     """
-    gathered = collectives.all_gather(join_pieces(pieces, last), group, stream=stream)
+    if bucket.owned:
+        row = owners.row(bucket, pieces, group.rank())
+        gathered = collectives.all_gather(join_pieces([row], last), group, stream=stream)
+    else:
+        gathered = collectives.all_gather(join_pieces(pieces, last), group, stream=stream)
     return unpack(bucket, gathered)
 
 
@@ -265,17 +290,24 @@ def update_shards(
 
     Returns:
         list[list[array]]: For every bucket, the updated piece of each slot,
-        in the parameter's dtype.
+        in the parameter's dtype (``None`` for arrays owned by other ranks).
     """
     masters = {} if masters is None else masters
     new_pieces = {}
     for opt, idx in zip(optimizers, buckets_of_optimizer(plan, len(optimizers))):
-        slots = [s for i in idx for s in plan.buckets[i].slots]
-        if not slots:
+        paths, pieces, grads = [], [], []
+        for i in idx:
+            for slot, g in zip(plan.buckets[i].slots, grad_pieces[i]):
+                if slot.owner is None:
+                    pieces.append(local_piece(slot, params[slot.index], rank))
+                elif slot.owner == rank:
+                    pieces.append(params[slot.index])  # updated whole, here only
+                else:
+                    continue
+                paths.append(slot.path)
+                grads.append(g)
+        if not paths:
             continue
-        paths = [s.path for s in slots]
-        pieces = [local_piece(s, params[s.index], rank) for s in slots]
-        grads = [g for i in idx for g in grad_pieces[i]]
         steps, grads = master.lift(paths, pieces, grads, masters, master_dtype)
         new = opt.apply_gradients(
             {"shards": dict(zip(paths, grads))}, {"shards": dict(zip(paths, steps))}
@@ -284,24 +316,28 @@ def update_shards(
             paths, [new[p] for p in paths], [p.dtype for p in pieces], masters, master_dtype
         )
         new_pieces.update(zip(paths, new))
-    return [[new_pieces[s.path] for s in b.slots] for b in plan.buckets]
+    return [[new_pieces.get(s.path) for s in b.slots] for b in plan.buckets]
 
 
 def clip_pieces(
-    pieces: Sequence[Sequence[mx.array]], group: mx.distributed.Group, max_norm: float
+    pieces: Sequence[Sequence[mx.array]],
+    group: mx.distributed.Group,
+    max_norm: float,
+    last: Optional[mx.array] = None,
 ) -> Tuple[List[List[mx.array]], mx.array]:
     """Clip every bucket's pieces by the global norm of all of them.
 
     Replicas of a hybrid layout hold equal pieces, so the norm is summed over
-    the shard group only.
+    the shard group only. ``last`` orders the norm's all-sum after the last
+    reduce-scatter even on a rank that holds no piece of that bucket.
 
     Returns:
         tuple: The clipped pieces, bucket by bucket, and the norm before clipping.
     """
-    flat = [p for b in pieces for p in b]
-    norm = clip.global_norm(flat, group)
+    flat = [p for b in pieces for p in b if p is not None]
+    norm = clip.global_norm(flat + order_after(last, mx.float32), group)
     scaled = iter(clip.clip_by_norm(flat, norm, max_norm))
-    return [[next(scaled) for _ in b] for b in pieces], norm
+    return [[None if p is None else next(scaled) for p in b] for b in pieces], norm
 
 
 class Stages:
@@ -324,7 +360,7 @@ class Stages:
         if not self.enabled:
             return
         try:
-            mx.eval(*trees)
+            mx.eval(*[[a for a in t if a is not None] if isinstance(t, list) else t for t in trees])
         except ValueError as e:
             if "transformations" not in str(e):
                 raise
@@ -344,19 +380,19 @@ def reduce_all(
     """Reduce-scatter every bucket, one after the other (see :func:`reduce_bucket`).
 
     Returns:
-        list[list[array]]: For every bucket, this rank's averaged gradient
-        piece of each slot.
+        tuple: For every bucket, this rank's averaged gradient piece of each
+        slot (see :func:`reduce_bucket`), and an array that depends on the
+        last collective (pass it to :func:`finish_step`).
     """
     stage = stage or Stages(False)
     pieces, last = [], None
     for bucket in plan.buckets:
-        bucket_pieces = reduce_bucket(
+        bucket_pieces, last = reduce_bucket(
             bucket, grads, group, dp_group, method=method, stream=stream, last=last
         )
         pieces.append(bucket_pieces)
-        last = bucket_pieces[0]
-        stage(bucket_pieces)
-    return pieces
+        stage(bucket_pieces + [last])
+    return pieces, last
 
 
 def finish_step(
@@ -371,8 +407,12 @@ def finish_step(
     stage: Optional[Stages] = None,
     masters: Optional[dict] = None,
     master_dtype: Optional[mx.Dtype] = None,
+    last: Optional[mx.array] = None,
 ) -> Tuple[List[mx.array], Optional[mx.array]]:
     """Clip the reduced pieces, update them and all-gather the parameters.
+
+    ``last`` (from :func:`reduce_all`) orders the first all-gather after the
+    last reduce-scatter when no norm does.
 
     Returns:
         tuple: The new full parameters in tree order, and the global gradient
@@ -381,16 +421,17 @@ def finish_step(
     stage = stage or Stages(False)
     norm = None
     if max_norm is not None:
-        pieces, norm = clip_pieces(pieces, group, max_norm)
+        pieces, norm = clip_pieces(pieces, group, max_norm, last)
 
     new_pieces = update_shards(
         plan, pieces, params, optimizers, group.rank(), masters, master_dtype
     )
     del pieces
-    stage(new_pieces, [o.state for o in optimizers], [] if norm is None else norm, masters or [])
+    stage([p for b in new_pieces for p in b], [o.state for o in optimizers],
+          [] if norm is None else norm, masters or [])
 
     new_params = [None] * plan.num_arrays
-    last = norm
+    last = norm if norm is not None else last
     for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
         full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=last)
         last = full[0]
@@ -440,10 +481,10 @@ def sharded_update(
         norm before clipping (``None`` without ``max_norm``).
     """
     stage = Stages(staged)
-    pieces = reduce_all(
+    pieces, last = reduce_all(
         plan, grads, group, dp_group, method=method, stream=stream, stage=stage
     )
     return finish_step(
         plan, pieces, params, optimizers, group, max_norm=max_norm, stream=stream,
-        stage=stage, masters=masters, master_dtype=master_dtype,
+        stage=stage, masters=masters, master_dtype=master_dtype, last=last,
     )

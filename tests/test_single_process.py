@@ -142,15 +142,6 @@ def test_bad_communication_size():
         mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), communication_size=1.5)
 
 
-@pytest.mark.parametrize("opt", [optim.Muon(learning_rate=0.02), optim.Adafactor()])
-def test_shape_aware_optimizers_are_refused_not_approximated(opt):
-    with pytest.raises(ValueError, match="not known to be element-wise"):
-        mlx_fsdp.fsdp_step(opt)
-    multi = optim.MultiOptimizer([opt, optim.AdamW(learning_rate=1e-3)], [lambda p, g: g.ndim == 2])
-    with pytest.raises(ValueError, match="Muon and Adafactor need whole matrices"):
-        mlx_fsdp.fsdp_step(multi)
-
-
 def test_gradient_without_a_parameter():
     opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
     with pytest.raises(ValueError, match="'v' has no parameter at that path"):
