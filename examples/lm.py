@@ -246,8 +246,8 @@ def add_training_args(p: argparse.ArgumentParser):
     g.add_argument("--warmup-steps", type=int, default=5,
                    help="linear warm-up, then cosine decay to 10%% (default 5)")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    g.add_argument("--max-norm", type=float, default=1.0,
-                   help="clip gradients to this global norm; 0 disables (default 1.0)")
+    g.add_argument("--max-norm", type=float, default=0.0,
+                   help="clip gradients to this global norm, e.g. 1.0; 0 disables (default 0)")
     g.add_argument("--grad-accumulation-steps", type=int, default=1,
                    help="micro-batches per optimizer step (default 1)")
     g.add_argument("--accumulation", choices=("local", "sharded"), default="local",

@@ -96,7 +96,7 @@ def _png_size(path):
 def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
     steps = 8
     out = run_script(2, "examples/compare_ddp_fsdp.py",
-                     ["--steps", steps, "--out", tmp_path, "--log-every", 4,
+                     ["--steps", steps, "--out", tmp_path, "--log-every", 4, "--max-norm", 1.0,
                       "--checkpoint-dir", tmp_path / "ckpt"])
     with open(tmp_path / "compare.json") as f:
         res = json.load(f)
