@@ -43,7 +43,7 @@ OPS = ("all_sum", "reduce_scatter", "all_gather")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--min-size", type=int, default=64 * KIB, help="smallest message in bytes (default 64 KiB)")
+    p.add_argument("--min-size", type=int, default=32 * KIB, help="smallest message in bytes (default 32 KiB)")
     p.add_argument("--max-size", type=int, default=32 * MIB, help="largest message in bytes (default 32 MiB)")
     p.add_argument("--factor", type=int, default=4, help="size step (default 4)")
     p.add_argument("--iters", type=int, default=5, help="timed runs per size (default 5)")

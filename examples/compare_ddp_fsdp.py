@@ -94,7 +94,8 @@ def plot(path: str, runs: dict, summary: dict, title: str) -> bool:
     top.set_ylabel("training loss (nats / byte)")
     top.set_title(title, fontsize=10)
     agree = summary["max_abs_diff"] <= TOLERANCE
-    top.legend(title="the curves coincide" if agree else "the curves DIFFER", title_fontsize=8)
+    top.legend(title=f"curves agree to {TOLERANCE:g}" if agree else f"curves differ by > {TOLERANCE:g}",
+               title_fontsize=8)
     top.grid(alpha=0.3)
 
     diff = summary["diff"]
