@@ -11,8 +11,8 @@ For each message size ``S`` (bytes of float32 data), on the current backend:
   into ``S`` bytes.
 
 Each timing is one evaluated collective (``mx.eval``) after ``--warmup``
-untimed ones; the median of ``--iters`` runs is taken per rank and the
-maximum over ranks is reported. Every rank runs the same sizes and counts
+untimed ones; the three ops take turns within each of ``--iters`` rounds, the
+median is taken per rank and the maximum over ranks is reported. Every rank runs the same sizes and counts
 (a collective needs all ranks), so the loop is fixed, not adaptive.
 
 Bandwidths follow the usual convention: ``algbw = S / time``, and ``busbw``
@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--min-size", type=int, default=32 * KIB, help="smallest message in bytes (default 32 KiB)")
     p.add_argument("--max-size", type=int, default=32 * MIB, help="largest message in bytes (default 32 MiB)")
     p.add_argument("--factor", type=int, default=4, help="size step (default 4)")
-    p.add_argument("--iters", type=int, default=5, help="timed runs per size (default 5)")
+    p.add_argument("--iters", type=int, default=10, help="timed runs per size and op (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per size (default 1)")
     p.add_argument("--method", choices=("auto", *collectives.METHODS), default="auto",
                    help="reduce-scatter method (default: what FSDP picks for this group)")
@@ -80,16 +80,23 @@ def op_fn(op: str, size: int, group, method: str):
     return lambda: collectives.all_gather(x, group), x
 
 
-def time_op(fn, iters: int, warmup: int) -> float:
-    """Median seconds of one evaluated collective."""
+def time_ops(fns: dict, iters: int, warmup: int) -> dict:
+    """Median seconds of one evaluated collective, per op.
+
+    The ops take turns (in a rotating order) within every iteration, so that
+    a neighbour's load or a slow phase of the machine hits them all alike.
+    """
+    names = list(fns)
     for _ in range(warmup):
-        mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+        for name in names:
+            mx.eval(fns[name]())
+    times = {name: [] for name in names}
+    for i in range(iters):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            tic = time.perf_counter()
+            mx.eval(fns[name]())
+            times[name].append(time.perf_counter() - tic)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -110,13 +117,17 @@ def main(argv=None):
     method = collectives.reduce_scatter_method(group, None if args.method == "auto" else args.method)
     rows = []
     for size in sizes(args, n):
+        fns = {}
         for op in OPS:
-            fn, x = op_fn(op, size, group, method)
+            fns[op], x = op_fn(op, size, group, method)
             mx.eval(x)
-            seconds = time_op(fn, args.iters, args.warmup)
-            worst = mx.distributed.all_gather(mx.array([seconds], mx.float32), group=group).max().item()
-            algbw = size / worst / 1e9
-            rows.append({"op": op, "bytes": size, "ms": worst * 1e3, "algbw_GBps": algbw,
+        seconds = time_ops(fns, args.iters, args.warmup)
+        worst = mx.distributed.all_gather(
+            mx.array([seconds[op] for op in OPS], mx.float32), group=group
+        ).reshape(n, -1).max(axis=0).tolist()
+        for op, t in zip(OPS, worst):
+            algbw = size / t / 1e9
+            rows.append({"op": op, "bytes": size, "ms": t * 1e3, "algbw_GBps": algbw,
                          "busbw_GBps": algbw * bus_factor(op, n)})
     if rank != 0:
         return

@@ -114,6 +114,8 @@ def plot(path: str, runs: dict, summary: dict, title: str) -> bool:
     bottom.set_ylabel("FSDP − DDP loss")
     bottom.set_xlabel("optimizer step")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if summary["max_abs_diff"] == 0:
+        note = "identical losses at every step"
     bottom.set_title(f"per-step difference: max |Δ| = {summary['max_abs_diff']:.1e} ({note})",
                      fontsize=9)
     bottom.grid(alpha=0.3)
