@@ -1,9 +1,15 @@
 """Benchmark one training step of ``mlx_fsdp.ddp_step`` against ``mlx_fsdp.fsdp_step``.
 
+It sweeps model widths (``--hidden``), bucket sizes (``--communication-size``)
+and parameter dtypes (``--dtype``); ``--sweep quick`` (the default) and
+``--sweep full`` name preset lists, and each flag overrides its list. Rank 0
+prints one markdown row per point; ``--markdown PATH`` and ``--json PATH``
+also write them to files.
+
 Both modes train their own copy of the same MLP (same seed, hence the same
 initial weights on every rank and in both modes) with AdamW on the same
 per-rank random batch (each rank has different data; cross-entropy loss).
-One run measures, per rank:
+Each point of the sweep measures, per rank:
 
 * **Step time**: ``nn.value_and_grad`` + ``opt.update`` + ``mx.eval`` of the
   loss, the parameters and the optimizer state, timed with
@@ -34,7 +40,7 @@ line names the reduce-scatter method FSDP uses on this backend (ring and MPI
 have no ``sum_scatter``, so it is an ``all_sum`` followed by a slice there).
 
 After the timing phase the largest parameter difference between the two
-models is printed as a sanity check: both took the same steps on the same
+models goes to the JSON (``max_param_diff``) as a sanity check: both took the same steps on the same
 data. Without clipping (``--max-norm 0``) it is exactly 0. With clipping the
 float32 global norm is summed in a different order (full arrays vs. shards
 then ``all_sum``), so the clip scales differ in the last digits; AdamW turns
@@ -45,9 +51,9 @@ Run it from the repository root, no installation needed::
 
     python benchmarks/bench_step.py --steps 3 --warmup 1          # one process
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_step.py
-    mpirun -np 2 python benchmarks/bench_step.py
-
-Add ``--json PATH`` to also write the numbers as JSON.
+    mlx.launch -n 2 --backend ring -- python benchmarks/bench_step.py --sweep full \\
+        --markdown step.md --json step.json
+    mpirun -np 4 python benchmarks/bench_step.py
 """
 
 import argparse
@@ -66,6 +72,9 @@ import mlx.optimizers as optim  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from lm import parse_size  # noqa: E402
 
 MB = 1024**2
 MODES = ("ddp", "fsdp")
@@ -94,6 +103,15 @@ def loss_fn(model, x, y):
     return nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="mean")
 
 
+#: The sweeps ``--sweep`` names: model widths, bucket sizes and dtypes.
+SWEEPS = {
+    "quick": {"hidden": [512], "communication_size": [1 * MB, 32 * MB],
+              "dtype": ["float32", "bfloat16"]},
+    "full": {"hidden": [512, 1024, 2048], "communication_size": [1 * MB, 16 * MB, 32 * MB],
+             "dtype": ["float32", "bfloat16"]},
+}
+
+
 def parse_args(argv=None):
     """Parse the command line.
 
@@ -101,31 +119,53 @@ def parse_args(argv=None):
         argv (list, optional): Arguments; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        argparse.Namespace: The options.
+        argparse.Namespace: The options; ``hidden``, ``communication_size``
+        and ``dtype`` are lists (the sweep).
     """
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    p.add_argument("--sweep", choices=sorted(SWEEPS), default="quick",
+                   help="preset lists of widths, bucket sizes and dtypes (default quick: "
+                   "width 512; 1 and 32 MiB; float32 and bfloat16)")
+    p.add_argument("--hidden", type=int, nargs="+", help="MLP widths (overrides --sweep)")
     p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch (default 32)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per mode (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (default 2)")
     p.add_argument(
         "--communication-size",
-        type=int,
-        default=32 * MB,
-        help="bucket size in bytes for both modes (default 32 MiB)",
+        type=parse_size,
+        nargs="+",
+        help="bucket sizes for both modes, e.g. 256KiB 16MiB 32MiB (overrides --sweep)",
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+",
+                   help="parameter dtypes (overrides --sweep)")
     p.add_argument(
         "--max-norm", type=float, default=1.0, help="gradient clipping norm; <= 0 disables"
     )
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model seed (same on all ranks)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
     args = p.parse_args(argv)
-    if args.layers < 1 or args.hidden < 1 or args.batch < 1 or args.steps < 1 or args.warmup < 0:
+    for key, values in SWEEPS[args.sweep].items():
+        if getattr(args, key) is None:
+            setattr(args, key, values)
+    if (min(args.hidden) < 1 or args.layers < 1 or args.batch < 1 or args.steps < 1
+            or args.warmup < 0):
         p.error("--hidden, --layers, --batch, --steps must be >= 1 and --warmup >= 0")
     return args
+
+
+def configs(args):
+    """One namespace per point of the sweep, with scalar ``hidden``, ``communication_size``, ``dtype``."""
+    out = []
+    for hidden in args.hidden:
+        for dtype in args.dtype:
+            for size in args.communication_size:
+                cfg = argparse.Namespace(**vars(args))
+                cfg.hidden, cfg.dtype, cfg.communication_size = hidden, dtype, size
+                out.append(cfg)
+    return out
 
 
 def make_batch(args, rank: int):
@@ -263,8 +303,74 @@ def gather(group, values):
     return rows.tolist()
 
 
+def run_config(cfg, group, x, y) -> dict:
+    """Measure one point of the sweep on every rank; rank 0 gets the full record.
+
+    Returns:
+        dict: Per mode ``step_ms_median``, ``peak_mb``, ``state_mb`` (max over
+        ranks) and per-rank rows, plus ``ratios`` and ``max_param_diff``.
+    """
+    mem = {m: memory_phase(m, cfg, x, y) for m in MODES}
+    times, diff = timing_phase(cfg, x, y)
+    local = []
+    for m in MODES:
+        local += [statistics.median(times[m]), mem[m]["peak_bytes"] / MB, mem[m]["state_bytes"] / MB]
+    rows = gather(group, local)
+    worst = [max(r[i] for r in rows) for i in range(len(local))]  # max over ranks, per column
+    res = {"hidden": cfg.hidden, "layers": cfg.layers, "dtype": cfg.dtype,
+           "communication_size": cfg.communication_size,
+           "num_params": cfg.layers * (cfg.hidden * cfg.hidden + cfg.hidden),
+           "max_param_diff": diff}
+    for j, m in enumerate(MODES):
+        ms, peak, st = worst[3 * j : 3 * j + 3]
+        res[m] = {
+            "step_ms_median": ms,
+            "peak_mb": peak,
+            "state_mb": st,
+            "state_bytes_per_rank": mem[m]["state_bytes"],
+            "per_rank": [
+                {"step_ms_median": r[3 * j], "peak_mb": r[3 * j + 1], "state_mb": r[3 * j + 2]}
+                for r in rows
+            ],
+            "rank0_step_ms": times[m],
+        }
+    d, f = res["ddp"], res["fsdp"]
+    res["ratios"] = {
+        "time": f["step_ms_median"] / d["step_ms_median"],
+        "peak_memory": f["peak_mb"] / d["peak_mb"],
+        "state_bytes": f["state_bytes_per_rank"] / d["state_bytes_per_rank"],
+    }
+    return res
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
+def _bucket(size: int) -> str:
+    return f"{size / MB:g} MiB" if size >= MB else f"{size / 1024:g} KiB"
+
+
+def markdown(results) -> str:
+    """The sweep as one markdown table: a row per (model, dtype, bucket)."""
+    lines = [
+        "| params | dtype | bucket | DDP ms | FSDP ms | time FSDP/DDP | DDP peak MiB | "
+        "FSDP peak MiB | peak FSDP/DDP | DDP state MiB/rank | FSDP state MiB/rank | state FSDP/DDP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        d, f, q = r["ddp"], r["fsdp"], r["ratios"]
+        lines.append(
+            f"| {_count(r['num_params'])} | {r['dtype']} | {_bucket(r['communication_size'])} | "
+            f"{d['step_ms_median']:.1f} | {f['step_ms_median']:.1f} | {q['time']:.3f} | "
+            f"{d['peak_mb']:.1f} | {f['peak_mb']:.1f} | {q['peak_memory']:.3f} | "
+            f"{d['state_mb']:.2f} | {f['state_mb']:.2f} | {q['state_bytes']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
-    """Run the benchmark and print (rank 0) the table and the ratios."""
+    """Run the sweep and print (rank 0) one table row per configuration."""
     args = parse_args(argv)
     group = mx.distributed.init()
     rank, n = group.rank(), group.size()
@@ -276,89 +382,36 @@ def main(argv=None):
             "every process runs alone.",
             file=sys.stderr,
         )
-    x, y = make_batch(args, rank)
-    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
-
-    mem = {m: memory_phase(m, args, x, y) for m in MODES}
-    times, diff = timing_phase(args, x, y)
     # A collective probe on the first call: every rank must make it.
     method = mlx_fsdp.reduce_scatter_method(group) if n > 1 else "none (one process)"
-
-    local = []
-    for m in MODES:
-        local += [
-            statistics.median(times[m]),
-            mem[m]["peak_bytes"] / MB,
-            mem[m]["state_bytes"] / MB,
-        ]
-    rows = gather(group, local)
-    # Max over ranks, per column.
-    worst = [max(r[i] for r in rows) for i in range(len(local))]
-    res = {}
-    for j, m in enumerate(MODES):
-        ms, peak, st = worst[3 * j : 3 * j + 3]
-        res[m] = {
-            "step_ms_median": ms,
-            "peak_mb": peak,
-            "state_mb": st,
-            "per_rank": [
-                {"step_ms_median": r[3 * j], "peak_mb": r[3 * j + 1], "state_mb": r[3 * j + 2]}
-                for r in rows
-            ],
-        }
+    results = []
+    for cfg in configs(args):
+        x, y = make_batch(cfg, rank)
+        results.append(run_config(cfg, group, x, y))
         if rank == 0:
-            res[m]["rank0_step_ms"] = times[m]
-            res[m]["rank0_isolated_step_ms"] = mem[m]["isolated_step_ms"]
-            res[m]["rank0_state_bytes"] = mem[m]["state_bytes"]
-            res[m]["rank0_peak_bytes"] = mem[m]["peak_bytes"]
-
+            r = results[-1]
+            print(f"  {_count(r['num_params'])} {cfg.dtype} bucket {_bucket(cfg.communication_size)}: "
+                  f"time {r['ratios']['time']:.3f}x, peak {r['ratios']['peak_memory']:.3f}x, "
+                  f"state {r['ratios']['state_bytes']:.3f}x (FSDP/DDP)", file=sys.stderr, flush=True)
     if rank != 0:
         return
-    d, f = res["ddp"], res["fsdp"]
-    ratios = {
-        "time": f["step_ms_median"] / d["step_ms_median"],
-        "peak_memory": f["peak_mb"] / d["peak_mb"],
-        "state_bytes": f["rank0_state_bytes"] / d["rank0_state_bytes"],
-        "ideal_state_bytes": 1.0 / n,
-    }
-    print(
-        f"world size {n}; MLP {args.layers}x{args.hidden} "
-        f"({n_params / 1e6:.2f}M params, {args.dtype}), batch {args.batch}/rank, "
-        f"AdamW lr {args.lr}, max_norm {args.max_norm if args.max_norm > 0 else None}, "
-        f"communication_size {args.communication_size} B, "
-        f"FSDP reduce-scatter method: {method}; "
-        f"{args.steps} timed + {args.warmup} warm-up steps per mode (interleaved)"
+    header = (
+        f"world size {n}; MLP {args.layers} x width, batch {args.batch}/rank, AdamW lr {args.lr}, "
+        f"max_norm {args.max_norm if args.max_norm > 0 else None}; FSDP reduce-scatter: {method}; "
+        f"{args.steps} timed + {args.warmup} warm-up steps per mode (interleaved); "
+        f"ms and MiB are the max over ranks; ideal state ratio 1/N = {1 / n:.3f}"
     )
+    table = markdown(results)
+    print(header)
     print()
-    print("| mode | step ms (median) | peak MB | state MB |")
-    print("|------|-----------------:|--------:|---------:|")
-    for m in MODES:
-        r = res[m]
-        print(f"| {m} | {r['step_ms_median']:.1f} | {r['peak_mb']:.1f} | {r['state_mb']:.2f} |")
-    print()
-    print(f"time ratio fsdp/ddp: {ratios['time']:.3f}")
-    print(f"peak memory ratio fsdp/ddp: {ratios['peak_memory']:.3f}")
-    print(
-        f"state bytes ratio fsdp/ddp: {ratios['state_bytes']:.4f} "
-        f"(ideal 1/N = {ratios['ideal_state_bytes']:.4f})"
-    )
-    print(f"max |param_ddp - param_fsdp| after the timing phase: {diff:.3g}")
-
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(header + "\n\n" + table + "\n")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "world_size": n,
-                    "config": vars(args),
-                    "num_params": n_params,
-                    "results": res,
-                    "ratios": ratios,
-                    "max_param_diff": diff,
-                    "reduce_scatter_method": method,
-                },
-                fh,
-                indent=2,
-            )
+            json.dump({"world_size": n, "config": vars(args), "reduce_scatter_method": method,
+                       "mlx_version": mx.__version__, "results": results}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -37,35 +37,36 @@ def mpi_env():
     return env
 
 
-def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free local ports.
+def _free_ports(count: int) -> int:
+    """A first port of ``count`` consecutive free ones.
 
-    mlx.launch's ring backend starts at port 32323 by default, so two test runs
-    on one machine (CI jobs, several checkouts) would connect to each other's
-    ranks and exchange each other's data.
+    mlx.launch's ring listens on 32323, 32324, ... by default; two ring jobs
+    started at once on one machine (parallel test runs, a benchmark next to
+    the tests) would then connect to each other's ranks and hang.
     """
-    for _ in range(100):
-        start = random.randint(20000, 60000 - n)
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 60000)
         try:
-            for port in range(start, start + n):
-                with socket.socket() as s:
+            for port in range(first, first + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                     s.bind(("127.0.0.1", port))
-            return start
         except OSError:
             continue
-    raise RuntimeError("found no free block of local ports for the ring backend")
+        return first
+    raise RuntimeError(f"found no {count} consecutive free TCP ports for the ring backend")
 
 
 def command(n: int, script: str, args, backend: str):
-    path = os.path.join(WORKERS, script)
+    path = os.path.join(WORKERS, script)  # an absolute script path is kept as is
     if n == 1:  # one plain process: no launcher (mpirun -n 1 aborts at exit)
         return [sys.executable, path, *args]
     if backend == "ring":
         launcher = _mlx_launch()
         if launcher is None:
             pytest.fail("mlx.launch was not found next to the Python interpreter or on PATH")
-        return [launcher, "-n", str(n), "--backend", "ring", "--starting-port",
-                str(_free_ports(n)), "--", sys.executable, path, *args]
+        return [launcher, "-n", str(n), "--backend", "ring", "--starting-port", str(_free_ports(n)),
+                "--", sys.executable, path, *args]
     if backend == "mpi":
         mpirun = shutil.which("mpirun")
         if mpirun is None:
@@ -73,6 +74,26 @@ def command(n: int, script: str, args, backend: str):
         return [mpirun, "--allow-run-as-root", "--oversubscribe", "-x", "MLX_MPI_LIBNAME",
                 "-x", "PYTHONPATH", "-n", str(n), sys.executable, path, *args]
     raise ValueError(f"backend={backend!r} must be 'ring' or 'mpi'")
+
+
+def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str):
+    """Run ``script`` on ``n`` ranks; return (returncode, output, command) or fail on a hang."""
+    env = mpi_env()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = command(n, script, [str(a) for a in args], backend)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(
+            f"HANG: {script} on {n} ranks ({backend}) did not finish in {timeout:.0f}s; "
+            f"a collective is probably waiting on a rank that never joined.\n"
+            f"command: {' '.join(cmd)}\n--- output ---\n{out[-4000:]}"
+        )
+    return proc.returncode, out, cmd
 
 
 def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: float = 240,
@@ -89,27 +110,39 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
         expect_failure: Return (returncode, output) instead of asserting success.
     """
     backend = backend or ("ring" if n == 2 else "mpi")
-    env = mpi_env()
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = command(n, script, [str(a) for a in args], backend)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=WORKERS, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(
-            f"HANG: {script} on {n} ranks ({backend}) did not finish in {timeout:.0f}s; "
-            f"a collective is probably waiting on a rank that never joined.\n"
-            f"command: {' '.join(cmd)}\n--- output ---\n{out[-4000:]}"
-        )
+    code, out, cmd = _launch(n, script, args, backend, timeout, WORKERS)
     if expect_failure:
-        return proc.returncode, out
-    if proc.returncode != 0:
-        pytest.fail(f"{script} on {n} ranks ({backend}) exited with {proc.returncode}\n"
+        return code, out
+    if code != 0:
+        pytest.fail(f"{script} on {n} ranks ({backend}) exited with {code}\n"
                     f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
                if line.startswith("RESULT ")]
     assert results, f"{script} printed no RESULT line:\n{out[-4000:]}"
     return results
+
+
+def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: float = 240,
+               cwd: str = ROOT) -> str:
+    """Run any script (path relative to the repository root) on ``n`` ranks; return its output.
+
+    ``n == 1`` runs it as one plain process. The launch must succeed; a hang
+    fails the test with a ``HANG`` message, as in :func:`run_ranks`.
+    """
+    path = os.path.join(ROOT, path)
+    if n == 1:
+        cmd = [sys.executable, path, *[str(a) for a in args]]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"HANG: {' '.join(cmd)} did not finish in {timeout:.0f}s\n{e.stdout}")
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        backend = backend or ("ring" if n == 2 else "mpi")
+        code, out, cmd = _launch(n, path, args, backend, timeout, cwd)
+    if code != 0:
+        pytest.fail(f"{os.path.basename(path)} on {n} rank(s) exited with {code}\n"
+                    f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")
+    return out

@@ -1,0 +1,167 @@
+"""What users run: the training example, the comparison and the benchmarks, on tiny settings.
+
+The launches are real (ring at N=2, MPI at N=4, one plain process); the
+checks are on what the scripts print and write: a loss that does not depend
+on the number of ranks, FSDP losses equal to DDP's, valid JSON, markdown and
+PNG files.
+"""
+
+import json
+import math
+import os
+import re
+import struct
+import sys
+
+import pytest
+
+from launch import ROOT, run_script
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import lm  # noqa: E402
+
+TINY = ["--batch-size", 4, "--seq-len", 16, "--dims", 16, "--layers", 1, "--heads", 2,
+        "--max-data-bytes", "256KiB", "--log-every", 1]
+PROGRESS = re.compile(
+    r"^\[(ddp|fsdp)\] step\s+(\d+) \| loss\s+(\S+) \|\s+(\d+) tok/s \|\s+(\S+) ms/step \| "
+    r"peak\s+(\S+) MiB \| lr (\S+)$"
+)
+
+
+def progress(out: str):
+    """``{mode: [(step, loss, ms, peak MiB, lr), ...]}`` from rank 0's progress lines."""
+    runs = {}
+    for line in out.splitlines():
+        m = PROGRESS.match(line.strip())
+        if m:
+            mode, step, loss, _, ms, peak, lr = m.groups()
+            runs.setdefault(mode, []).append((int(step), float(loss), float(ms), float(peak), float(lr)))
+    return runs
+
+
+def test_corpus_from_a_file_and_a_folder(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"world")
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    assert lm.load_corpus(str(tmp_path / "a.txt")).tobytes() == b"hello "
+    assert lm.load_corpus(str(tmp_path)).tobytes() == b"hello world"  # sorted order
+    assert lm.load_corpus(str(tmp_path), max_bytes=8).tobytes() == b"hello wo"
+    with pytest.raises(ValueError, match="neither a file nor a folder"):
+        lm.load_corpus(str(tmp_path / "missing"))
+
+
+def test_default_corpus_is_python_source():
+    data = lm.load_corpus(None, max_bytes=100_000)
+    assert len(data) == 100_000
+    assert b"def " in data.tobytes() and b"import " in data.tobytes()
+
+
+def test_rank_slices_tile_the_global_batch():
+    data = lm.load_corpus(None, max_bytes=10_000)
+    x, y = lm.global_batch(data, 3, 8, 5, seed=1)
+    assert (x[:, 1:] == y[:, :-1]).all()
+    parts = [lm.rank_slice((x, y), r, 4) for r in range(4)]
+    assert [p[0].tolist() for p in parts] == [x[2 * r:2 * r + 2].tolist() for r in range(4)]
+    with pytest.raises(ValueError, match="must divide by the number of ranks 3"):
+        lm.rank_slice((x, y), 0, 3)
+
+
+def test_communication_size_units():
+    assert lm.parse_size("32MiB") == 32 * 1024**2
+    assert lm.parse_size("512KiB") == 512 * 1024 and lm.parse_size("1000") == 1000
+
+
+def test_train_loss_does_not_depend_on_the_number_of_ranks():
+    args = ["--steps", 4, *TINY]
+    one = progress(run_script(1, "examples/train.py", [*args, "--mode", "ddp"]))["ddp"]
+    out2 = run_script(2, "examples/train.py", [*args, "--mode", "fsdp"])
+    two = progress(out2)["fsdp"]
+    four = progress(run_script(4, "examples/train.py", [*args, "--mode", "fsdp"]))["fsdp"]
+    assert [r[0] for r in one] == [1, 2, 3, 4]
+    for a, b, c in zip(one, two, four):
+        assert math.isfinite(a[1]) and abs(a[1] - b[1]) <= 2e-4 and abs(a[1] - c[1]) <= 2e-4
+        assert a[4] == b[4] == c[4] > 0  # the same learning-rate schedule
+        assert b[2] > 0 and b[3] > 0     # step ms, peak MiB
+    assert one[-1][1] < one[0][1], "the loss must fall"
+    summary = [l for l in out2.splitlines() if l.startswith("done:")]
+    assert len(summary) == 1 and "optimizer state" in summary[0] and "tok/s" in summary[0]
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", "not a PNG file"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
+    steps = 8
+    out = run_script(2, "examples/compare_ddp_fsdp.py",
+                     ["--steps", steps, "--out", tmp_path, "--log-every", 4, "--max-norm", 1.0,
+                      "--checkpoint-dir", tmp_path / "ckpt"])
+    with open(tmp_path / "compare.json") as f:
+        res = json.load(f)
+    assert {"ddp", "fsdp", "config"} <= set(res)
+    assert res["config"]["world_size"] == 2 and res["config"]["steps"] == steps
+    for mode in ("ddp", "fsdp"):
+        run = res[mode]
+        assert len(run["loss"]) == len(run["step_ms"]) == steps
+        assert all(math.isfinite(v) for v in run["loss"]) and min(run["step_ms"]) > 0
+        assert run["peak_memory"] > 0 and run["loss"][-1] < run["loss"][0] - 0.5
+    assert all(abs(d - f) <= 1e-3 for d, f in zip(res["ddp"]["loss"], res["fsdp"]["loss"]))
+    assert res["fsdp"]["state_bytes"] <= res["ddp"]["state_bytes"] * (0.5 + 0.02)
+    assert re.search(r"^\| fsdp \| [\d.]+ \| [\d.]+ \|", out, re.M), out
+    assert "max |FSDP - DDP| loss over all steps" in out and "within 0.001" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "pip install -e '.[plot]'" in out
+        return
+    width, height = _png_size(tmp_path / "compare.png")
+    assert width >= 600 and height >= 400
+    assert os.path.getsize(tmp_path / "compare.png") > 20_000
+
+
+def test_compare_without_matplotlib_still_writes_json(tmp_path, monkeypatch):
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "matplotlib.py").write_text("raise ImportError('blocked for the test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(blocker))  # run_script keeps it after the repo root
+    out = run_script(1, "examples/compare_ddp_fsdp.py",
+                     ["--steps", 2, "--out", tmp_path / "o", *TINY])
+    assert "no plot: matplotlib is not installed" in out and "'.[plot]'" in out
+    assert not (tmp_path / "o" / "compare.png").exists()
+    with open(tmp_path / "o" / "compare.json") as f:
+        assert len(json.load(f)["fsdp"]["loss"]) == 2
+
+
+def test_bench_step_sweep_two_ranks(tmp_path):
+    out = run_script(2, "benchmarks/bench_step.py",
+                     ["--hidden", 32, 48, "--layers", 2, "--steps", 2, "--warmup", 1,
+                      "--communication-size", "1KiB", "32MiB", "--dtype", "float32", "bfloat16",
+                      "--json", tmp_path / "s.json", "--markdown", tmp_path / "s.md"])
+    with open(tmp_path / "s.json") as f:
+        res = json.load(f)
+    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "all_sum"
+    points = {(r["hidden"], r["dtype"], r["communication_size"]) for r in res["results"]}
+    assert points == {(h, d, s) for h in (32, 48) for d in ("float32", "bfloat16")
+                      for s in (1024, 32 * 1024**2)}
+    for r in res["results"]:
+        for mode in ("ddp", "fsdp"):
+            assert r[mode]["step_ms_median"] > 0 and r[mode]["peak_mb"] > 0
+        # (32 x 32 + 32) x 2 layers over 2 ranks divides evenly: exactly half.
+        assert r["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.01)
+    table = open(tmp_path / "s.md").read()
+    assert table.count("\n| ") == 8 + 1 and "state FSDP/DDP" in table  # header + 8 rows
+    assert "| bfloat16 | 1 KiB |" in out
+
+
+def test_bench_collectives_two_ranks(tmp_path):
+    run_script(2, "benchmarks/bench_collectives.py",
+               ["--min-size", 4096, "--max-size", 65536, "--iters", 2, "--json", tmp_path / "c.json"])
+    with open(tmp_path / "c.json") as f:
+        res = json.load(f)
+    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "all_sum"
+    rows = res["results"]
+    assert sorted({r["op"] for r in rows}) == ["all_gather", "all_sum", "reduce_scatter"]
+    assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536]
+    assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in rows)
