@@ -356,6 +356,15 @@ class Stages:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
+    def chain(self, last: Optional[mx.array]) -> Optional[mx.array]:
+        """``last`` if the next collective must be chained after it, else ``None``.
+
+        A staged step evaluates one collective at a time, which orders them
+        already; chaining (see :func:`order_after`) costs a copy of a lone
+        array's input, so only an unstaged (traced) graph gets it.
+        """
+        return None if self.enabled else last
+
     def __call__(self, *trees):
         if not self.enabled:
             return
@@ -388,11 +397,12 @@ def reduce_all(
     pieces, last = [], None
     for bucket in plan.buckets:
         bucket_pieces, last = reduce_bucket(
-            bucket, grads, group, dp_group, method=method, stream=stream, last=last
+            bucket, grads, group, dp_group, method=method, stream=stream,
+            last=stage.chain(last),
         )
         pieces.append(bucket_pieces)
         stage(bucket_pieces + [last])
-    return pieces, last
+    return pieces, stage.chain(last)
 
 
 def finish_step(
@@ -411,29 +421,42 @@ def finish_step(
 ) -> Tuple[List[mx.array], Optional[mx.array]]:
     """Clip the reduced pieces, update them and all-gather the parameters.
 
-    ``last`` (from :func:`reduce_all`) orders the first all-gather after the
-    last reduce-scatter when no norm does.
+    ``pieces`` is consumed: the list is emptied. ``last`` (from
+    :func:`reduce_all`) orders the first all-gather after the last
+    reduce-scatter when no norm does.
 
     Returns:
         tuple: The new full parameters in tree order, and the global gradient
         norm before clipping (``None`` without ``max_norm``).
     """
     stage = stage or Stages(False)
+    # Take the caller's list: the reduced gradients are then freed as soon as
+    # the update has used them, not when the caller returns.
+    pieces, taken = list(pieces), pieces
+    taken.clear()
     norm = None
     if max_norm is not None:
-        pieces, norm = clip_pieces(pieces, group, max_norm, last)
+        pieces, norm = clip_pieces(pieces, group, max_norm, stage.chain(last))
 
     new_pieces = update_shards(
         plan, pieces, params, optimizers, group.rank(), masters, master_dtype
     )
     del pieces
+    if stage.enabled:
+        # Bucket by bucket, so that only one bucket's old and new optimizer
+        # state are alive together.
+        for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
+            shards = optimizers[bucket.optimizer].state.get("shards", {})
+            held = [s.path for s in bucket.slots if s.path in shards]
+            stage([p for p in bucket_pieces if p is not None], [shards[p] for p in held],
+                  [masters[p] for p in held if masters and p in masters])
     stage([p for b in new_pieces for p in b], [o.state for o in optimizers],
           [] if norm is None else norm, masters or [])
 
     new_params = [None] * plan.num_arrays
     last = norm if norm is not None else last
     for bucket, bucket_pieces in zip(plan.buckets, new_pieces):
-        full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=last)
+        full = gather_bucket(bucket, bucket_pieces, group, stream=stream, last=stage.chain(last))
         last = full[0]
         stage(full)
         for slot, p in zip(bucket.slots, full):
