@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import sys
 
@@ -84,6 +85,38 @@ def test_train_loss_does_not_depend_on_the_number_of_ranks():
     assert one[-1][1] < one[0][1], "the loss must fall"
     summary = [l for l in out2.splitlines() if l.startswith("done:")]
     assert len(summary) == 1 and "optimizer state" in summary[0] and "tok/s" in summary[0]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--optimizer", "muon"],
+    ["--optimizer", "adafactor", "--dtype", "bfloat16"],
+    ["--grad-accumulation-steps", "2", "--accumulation", "sharded"],
+])
+def test_train_features_match_ddp_on_two_ranks(flags):
+    # Owner placement, fp32 masters of a bf16 model and sharded accumulation,
+    # each against the same run under ddp_step (one process: its own reference).
+    args = ["--steps", 3, *TINY, *flags]
+    ddp = progress(run_script(1, "examples/train.py", [*args, "--mode", "ddp"]))["ddp"]
+    fsdp = progress(run_script(2, "examples/train.py", [*args, "--mode", "fsdp"]))["fsdp"]
+    assert [r[0] for r in fsdp] == [1, 2, 3]
+    tol = 2e-2 if "bfloat16" in flags else 2e-4
+    for a, b in zip(ddp, fsdp):
+        assert math.isfinite(b[1]) and abs(a[1] - b[1]) <= tol, (a, b)
+
+
+def test_train_resumes_from_a_checkpoint_at_another_world_size(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--checkpoint-dir", ckpt]
+    full = progress(run_script(1, "examples/train.py", ["--steps", 4, *TINY, "--mode", "ddp"]))["ddp"]
+    run_script(2, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
+    assert sorted(os.listdir(ckpt)) == ["step_000002", "step_000004"]
+    # Drop the last checkpoint: resume at step 2 with one process, run to 4.
+    shutil.rmtree(os.path.join(ckpt, "step_000004"))
+    out = run_script(1, "examples/train.py", ["--steps", 4, "--resume", *args])
+    resumed = progress(out)["fsdp"]
+    assert "resumed from" in out and [r[0] for r in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        assert abs(a[1] - b[1]) <= 2e-4 and a[4] == b[4], (a, b)
 
 
 def _png_size(path):
