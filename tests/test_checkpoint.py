@@ -56,6 +56,18 @@ def test_reshard_down_from_mpi(tmp_path, saved, loaded):
     _resume_ok(r, saved)
 
 
+@pytest.mark.parametrize("n, wrap", [(3, "fsdp"), (1, "plain")])
+def test_owner_placed_muon_state_reshards(tmp_path, n, wrap):
+    # Saved at N=2 with tiny buckets: each Muon matrix's state lives whole on
+    # its owner rank; it must come back whole on the new owner (or in the
+    # plain layout) and continue exactly.
+    path = str(tmp_path / "ck")
+    (r,) = run_ranks(2, "checkpoint.py", ["save", path, "muon", STEPS, 0, "fsdp"])
+    assert r["step"] == STEPS, r
+    (r,) = run_ranks(n, "checkpoint.py", ["resume", path, "muon", STEPS, MORE, wrap])
+    _resume_ok(r, 2)
+
+
 def test_multioptimizer_and_ddp_checkpoint_reshard(tmp_path):
     # A MultiOptimizer (AdamW on matrices, SGD on the rest), each with its own
     # state and step; saved from ddp_step (plain layout), loaded sharded.

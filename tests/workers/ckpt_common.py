@@ -38,6 +38,11 @@ def make_optimizer(name: str):
              optim.SGD(learning_rate=schedule, momentum=0.9)],
             [lambda path, g: g.ndim == 2],
         )
+    if name == "muon":  # Muon's matrices are owner-placed: whole state on one rank
+        return optim.MultiOptimizer(
+            [optim.Muon(learning_rate=schedule), optim.AdamW(learning_rate=schedule)],
+            [lambda path, g: g.ndim >= 2],
+        )
     raise ValueError(name)
 
 
