@@ -13,7 +13,7 @@ from launch import run_ranks
 F32_TOL = 1e-5
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_fp32_masters_match_ddp_masters_within_one_bf16_ulp(n):
     results = run_ranks(n, "precision.py", [4])
     assert [r["reduce_dtype"] for r in results] == ["None", "mlx.core.float32"]
@@ -28,7 +28,7 @@ def test_fp32_masters_match_ddp_masters_within_one_bf16_ulp(n):
         assert 1 / n <= r["master_fraction"] <= 1 / n + 0.02, r
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_accumulation_equals_one_step_on_the_concatenated_batch(n):
     (r,) = run_ranks(n, "accumulate.py", [3, 2])
     for name in ("fsdp_local", "fsdp_sharded", "ddp_local"):
