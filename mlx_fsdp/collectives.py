@@ -3,7 +3,9 @@
 NCCL and JACCL implement ``mx.distributed.sum_scatter``; ring and MPI do not,
 and they only say so when the graph is evaluated. A group's capability is
 therefore learned once, with a tiny evaluated probe, and the step then builds
-either the native op or the fallback: all-sum, then keep this rank's row.
+either the native op or the fallback: all-sum, then keep this rank's part
+(:func:`reduce_scatter` takes its row of an ``(N, cols)`` array; the step's
+own fallback, :func:`mlx_fsdp.step.reduce_bucket`, skips the packed layout).
 
 A neighbour send/recv ring was tried as the fallback and dropped: on ring N=2
 it took 2.2x the time of all_sum for a 32 MB bucket, and on MPI its sends must
