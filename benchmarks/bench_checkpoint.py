@@ -35,16 +35,8 @@ from mlx.utils import tree_flatten
 
 import mlx_fsdp
 
-
-class MLP(nn.Module):
-    def __init__(self, hidden, layers):
-        super().__init__()
-        self.layers = [nn.Linear(hidden, hidden) for _ in range(layers)]
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nn.relu(layer(x))
-        return self.layers[-1](x)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MLP  # noqa: E402
 
 
 def build(hidden, layers):

@@ -25,7 +25,6 @@ reduce-scatter is an all-reduce, so its bus bandwidth reads low by 2x.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 from mlx_fsdp import collectives  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import publish  # noqa: E402
 
 KIB, MIB = 1024, 1024**2
 OPS = ("all_sum", "reduce_scatter", "all_gather")
@@ -138,17 +140,9 @@ def main(argv=None):
         op = f"reduce_scatter ({method})" if r["op"] == "reduce_scatter" else r["op"]
         lines.append(f"| {_size(r['bytes'])} | {op} | {r['ms']:.2f} | {r['algbw_GBps']:.3f} | "
                      f"{r['busbw_GBps']:.3f} |")
-    table = "\n".join(lines)
-    print(header)
-    print()
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(header + "\n\n" + table + "\n")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"world_size": n, "mlx_version": mx.__version__, "reduce_scatter_method": method,
-                       "config": vars(args), "results": rows}, fh, indent=2)
+    publish(header, "\n".join(lines), args.markdown, args.json,
+            {"world_size": n, "mlx_version": mx.__version__, "reduce_scatter_method": method,
+             "config": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ Run it from the repository root, no installation needed::
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -76,26 +75,11 @@ import mlx_fsdp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from lm import parse_size  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MLP, publish  # noqa: E402
+
 MB = 1024**2
 MODES = ("ddp", "fsdp")
-
-
-class MLP(nn.Module):
-    """A stack of ``layers`` square ``Linear`` layers with ReLU in between.
-
-    Args:
-        hidden (int): Input width, hidden width and number of classes.
-        layers (int): Number of ``Linear(hidden, hidden)`` layers (>= 1).
-    """
-
-    def __init__(self, hidden: int, layers: int):
-        super().__init__()
-        self.layers = [nn.Linear(hidden, hidden) for _ in range(layers)]
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nn.relu(layer(x))
-        return self.layers[-1](x)
 
 
 def loss_fn(model, x, y):
@@ -401,17 +385,9 @@ def main(argv=None):
         f"{args.steps} timed + {args.warmup} warm-up steps per mode (interleaved); "
         f"ms and MiB are the max over ranks; ideal state ratio 1/N = {1 / n:.3f}"
     )
-    table = markdown(results)
-    print(header)
-    print()
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(header + "\n\n" + table + "\n")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"world_size": n, "config": vars(args), "reduce_scatter_method": method,
-                       "mlx_version": mx.__version__, "results": results}, fh, indent=2)
+    publish(header, markdown(results), args.markdown, args.json,
+            {"world_size": n, "config": vars(args), "reduce_scatter_method": method,
+             "mlx_version": mx.__version__, "results": results})
 
 
 if __name__ == "__main__":

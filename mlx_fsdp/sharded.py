@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from . import _trees, clip, collectives
+from . import _trees, collectives
 from . import placement as placement_rules
 from .consistency import verify_plan
 from .plan import Plan, build_plan, signature_of

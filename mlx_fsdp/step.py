@@ -5,10 +5,10 @@ each rank keeps its piece of every array in the bucket, and average; clip the
 pieces by the global norm; run the wrapped optimizer on this rank's pieces;
 all-gather each bucket's updated pieces and unpack them into full parameters.
 
-The functions build the graph lazily. :func:`sharded_update` evaluates it
-stage by stage when it runs eagerly, so that a bucket's communication buffers
-are freed before the next bucket's are made, and leaves it lazy inside
-``mx.compile``.
+The functions build the graph lazily. Given a :class:`Stages`,
+:func:`reduce_all` and :func:`finish_step` evaluate it stage by stage when
+they run eagerly, so that a bucket's communication buffers are freed before
+the next bucket's are made; inside ``mx.compile`` it stays lazy.
 """
 
 import functools
@@ -462,52 +462,3 @@ def finish_step(
         for slot, p in zip(bucket.slots, full):
             new_params[slot.index] = p
     return new_params, norm
-
-
-def sharded_update(
-    plan: Plan,
-    grads: Sequence[mx.array],
-    params: Sequence[mx.array],
-    optimizers: Sequence,
-    group: mx.distributed.Group,
-    dp_group: Optional[mx.distributed.Group] = None,
-    *,
-    max_norm: Optional[float] = None,
-    method: str = "native",
-    stream: Optional[mx.Stream] = None,
-    staged: bool = True,
-    masters: Optional[dict] = None,
-    master_dtype: Optional[mx.Dtype] = None,
-) -> Tuple[List[mx.array], Optional[mx.array]]:
-    """One sharded optimizer step over flat lists of arrays.
-
-    Args:
-        plan (Plan): The plan for ``grads``, built for ``group.size()`` ranks.
-        grads (list[array]): Local full gradients, in tree order.
-        params (list[array]): The matching full parameters.
-        optimizers (list[mlx.optimizers.Optimizer]): Indexed by ``Bucket.optimizer``.
-        group (mlx.core.distributed.Group): The shard group.
-        dp_group (mlx.core.distributed.Group, optional): The replica group.
-            Default: ``None``.
-        max_norm (float, optional): Clip the averaged gradients to this global
-            norm. Default: ``None``.
-        method (str): Reduce-scatter method. Default: ``"native"``.
-        stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
-        staged (bool): Evaluate bucket by bucket when not traced, see
-            :class:`Stages`. Default: ``True``.
-        masters (dict, optional): Master copies, see :func:`update_shards`.
-            Default: ``None``.
-        master_dtype (Dtype, optional): See :func:`update_shards`. Default: ``None``.
-
-    Returns:
-        tuple: The new full parameters in tree order, and the global gradient
-        norm before clipping (``None`` without ``max_norm``).
-    """
-    stage = Stages(staged)
-    pieces, last = reduce_all(
-        plan, grads, group, dp_group, method=method, stream=stream, stage=stage
-    )
-    return finish_step(
-        plan, pieces, params, optimizers, group, max_norm=max_norm, stream=stream,
-        stage=stage, masters=masters, master_dtype=master_dtype, last=last,
-    )
