@@ -385,7 +385,7 @@ def reduce_all(
     method: str = "native",
     stream: Optional[mx.Stream] = None,
     stage: Optional[Stages] = None,
-) -> List[List[mx.array]]:
+) -> Tuple[List[List[Optional[mx.array]]], Optional[mx.array]]:
     """Reduce-scatter every bucket, one after the other (see :func:`reduce_bucket`).
 
     Returns:
