@@ -160,7 +160,7 @@ def reduce_bucket(
     method: str = "native",
     stream: Optional[mx.Stream] = None,
     last: Optional[mx.array] = None,
-) -> List[mx.array]:
+) -> Tuple[List[Optional[mx.array]], mx.array]:
     """Reduce-scatter one bucket and average over all data-parallel ranks.
 
     With a native ``sum_scatter`` the bucket is packed as ``(N, cols)`` and each
