@@ -50,3 +50,22 @@ def like(tree: Any, values: Sequence[mx.array]) -> Any:
     """A tree with the structure of ``tree`` whose leaves are ``values`` in order."""
     it = iter(values)
     return tree_map(lambda _: next(it), tree)
+
+
+def accumulate(carry: dict, items, keep: bool) -> list:
+    """Add ``items`` (``(key, array or None)`` pairs) to the sums in ``carry``.
+
+    Used by gradient accumulation for whole gradients and for shard pieces.
+    ``carry`` is emptied, then refilled with the sums when ``keep`` is true
+    (more micro-batches follow); ``None`` entries (arrays another rank owns)
+    are passed through.
+
+    Returns:
+        list: The sums, in the order of ``items``.
+    """
+    items = list(items)
+    sums = [a + carry[k] if a is not None and k in carry else a for k, a in items]
+    carry.clear()
+    if keep:
+        carry.update((k, a) for (k, _), a in zip(items, sums) if a is not None)
+    return sums

@@ -226,28 +226,19 @@ def apply_sharded(
 
 def _add_carry(plan, pieces, carry, finish, stage):
     """Add the carried pieces; keep the sums in ``carry`` unless this step finishes."""
-    summed = [
-        [p + carry[s.path] if p is not None and s.path in carry else p
-         for s, p in zip(b.slots, bp)]
-        for b, bp in zip(plan.buckets, pieces)
-    ]
-    carry.clear()
+    items = [(s.path, p) for b, bp in zip(plan.buckets, pieces) for s, p in zip(b.slots, bp)]
+    sums = iter(_trees.accumulate(carry, items, keep=not finish))
     if not finish:
-        carry.update((s.path, p) for b, bp in zip(plan.buckets, summed)
-                     for s, p in zip(b.slots, bp) if p is not None)
         stage(carry)
-    return summed
+    return [[next(sums) for _ in bp] for bp in pieces]
 
 
 def _one_process(gradients, parameters, optimizer, max_norm, masters, master_dtype,
                  carry, finish, divide):
     # One process: exactly the plain optimizer (with masters if asked for).
     if carry is not None:
-        flat = tree_flatten(gradients)
-        summed = [g + carry[k] if k in carry else g for k, g in flat]
-        carry.clear()
+        summed = _trees.accumulate(carry, tree_flatten(gradients), keep=not finish)
         if not finish:
-            carry.update(zip([k for k, _ in flat], summed))
             return None, None, None
         gradients = _trees.like(gradients, summed)
     if divide != 1:

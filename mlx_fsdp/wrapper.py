@@ -152,11 +152,8 @@ class DistributedOptimizer:
         carry = self._state.setdefault("accumulated", {})
         if self.accumulation == "sharded":
             return self._step(gradients, parameters, carry=carry, finish=finish, divide=k)
-        flat = tree_flatten(gradients)
-        summed = [g + carry[p] if p in carry else g for p, g in flat]
-        carry.clear()
+        summed = _trees.accumulate(carry, tree_flatten(gradients), keep=not finish)
         if not finish:
-            carry.update(zip([p for p, _ in flat], summed))
             return _trees.like(gradients, _trees.match(gradients, parameters)[1])
         return self._step(_trees.like(gradients, [g / k for g in summed]), parameters)
 

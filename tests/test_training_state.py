@@ -129,3 +129,25 @@ def test_master_shards_reshard_through_a_checkpoint(tmp_path):
     assert set(a) == set(b)
     for k in a:
         assert mx.array_equal(a[k], b[k]), f"{k} changed in the N=2 -> N=3 round trip"
+
+
+@pytest.mark.parametrize("mode", ["local", "sharded"])
+def test_one_process_accumulation_is_one_step_on_the_whole_batch(mode):
+    model, ref_model = _model(), _model()
+    model.set_dtype(mx.float32), ref_model.set_dtype(mx.float32)
+    opt = mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-2), grad_accumulation_steps=2,
+                             accumulation=mode)
+    ref = optim.Adam(learning_rate=1e-2)
+    x = mx.random.normal((8, 6), key=mx.random.key(3))
+    y = mx.arange(8) % 3
+    for half in (slice(0, 4), slice(4, 8)):
+        _, g = nn.value_and_grad(model, _loss)(model, x[half], y[half])
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+    _, g = nn.value_and_grad(ref_model, _loss)(ref_model, x, y)
+    ref.update(ref_model, g)
+    mx.eval(ref_model.parameters())
+    for (k, a), (_, b) in zip(nn.utils.tree_flatten(model.parameters()),
+                              nn.utils.tree_flatten(ref_model.parameters())):
+        assert mx.abs(a - b).max().item() <= 1e-5, k
+    assert opt.step.item() == 1 and opt.micro_step == 0
