@@ -5,7 +5,8 @@ For each message size ``S`` (bytes of float32 data), on the current backend:
 * ``all_sum``: ``mx.distributed.all_sum`` of an ``S``-byte array (DDP's all-reduce);
 * ``reduce_scatter``: ``mlx_fsdp.collectives.reduce_scatter`` of an ``(N, S/N)``
   array, with the method FSDP uses on this group (``native`` ``sum_scatter``
-  on NCCL/JACCL, ``all_sum`` then keep one row on ring/MPI; ``--method``
+  on NCCL/JACCL; on ring/MPI ``exchange`` at two ranks, an all-gather of the
+  row the peer keeps, and ``all_sum`` then keep one row at more; ``--method``
   forces one);
 * ``all_gather``: ``mlx_fsdp.collectives.all_gather`` of an ``S/N``-byte shard
   into ``S`` bytes.
@@ -17,8 +18,9 @@ median is taken per rank and the maximum over ranks is reported. Every rank runs
 
 Bandwidths follow the usual convention: ``algbw = S / time``, and ``busbw``
 scales it by what each rank must move: ``2 (N-1)/N`` for all-reduce and
-``(N-1)/N`` for reduce-scatter and all-gather. On ring and MPI the
-reduce-scatter is an all-reduce, so its bus bandwidth reads low by 2x.
+``(N-1)/N`` for reduce-scatter and all-gather. With the ``all_sum`` method
+(ring and MPI beyond two ranks) the reduce-scatter is an all-reduce, so its
+bus bandwidth reads low by 2x.
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_collectives.py
     mpirun -n 4 python benchmarks/bench_collectives.py --json coll.json

@@ -40,7 +40,10 @@ def global_norm(
     """
     squares = sum_of_squares(arrays)
     if group is not None and group.size() > 1:
-        squares = mx.distributed.all_sum(squares, group=group)
+        # Every rank sums the same gathered values in the same order, so the
+        # norm agrees across ranks; a scalar all_gather costs ~0.1 ms on ring
+        # where its all_sum costs ~10 ms.
+        squares = mx.distributed.all_gather(squares.reshape(1), group=group).sum()
     return mx.sqrt(squares)
 
 

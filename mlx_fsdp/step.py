@@ -164,10 +164,14 @@ def reduce_bucket(
     """Reduce-scatter one bucket and average over all data-parallel ranks.
 
     With a native ``sum_scatter`` the bucket is packed as ``(N, cols)`` and each
-    rank receives its row. The ``all_sum`` fallback receives the whole sum
-    anyway, so it skips the packed layout: it reduces the plain concatenation
-    of the gradients (a contiguous copy, or none for a single array) and cuts
-    this rank's pieces out of the result.
+    rank receives its row. The fallbacks skip that packed copy:
+
+    * ``"exchange"`` (two ranks) sends only the peer's pieces (views of a
+      lone, unpadded array; one concatenation otherwise) and adds what the
+      peer sends back to this rank's own pieces;
+    * ``"all_sum"`` receives the whole sum anyway: it reduces the plain
+      concatenation of the gradients (a contiguous copy, or none for a single
+      array) and cuts this rank's pieces out of the result.
 
     Args:
         bucket (Bucket): The bucket.
@@ -175,7 +179,7 @@ def reduce_bucket(
         group (mlx.core.distributed.Group): The shard group.
         dp_group (mlx.core.distributed.Group, optional): The replica group of
             hybrid sharding. Default: ``None``.
-        method (str): ``"native"`` or ``"all_sum"``, see
+        method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``, see
             :func:`mlx_fsdp.collectives.reduce_scatter`. Default: ``"native"``.
         stream (mlx.core.Stream, optional): Communication stream. Default: ``None``.
         last (array, optional): Run the collective only after this array
@@ -191,14 +195,24 @@ def reduce_bucket(
     n = group.size()
     replicas = dp_group.size() if dp_group is not None else 1
     total = n * replicas
-    if method == "all_sum" and n > 1 and not bucket.owned:
-        flat = join_pieces([grads[s.index].reshape(-1) for s in bucket.slots], last)
-        summed = mx.distributed.all_sum(flat, group=group, stream=stream)
+    if method in ("exchange", "all_sum") and n > 1 and not bucket.owned:
         rank = group.rank()
-        pieces = [
-            local_piece(s, summed[start : start + s.size], rank)
-            for s, start in zip(bucket.slots, flat_starts(bucket))
-        ]
+        # Flatten once: a weight's gradient is often a transposed view, and
+        # every reshape of it would be another full copy.
+        flats = [grads[s.index].reshape(-1) for s in bucket.slots]
+        if method == "exchange":
+            theirs = join_pieces(
+                [local_piece(s, f, 1 - rank) for s, f in zip(bucket.slots, flats)], last
+            )
+            got = split_row(bucket, collectives.exchange(theirs, group, stream=stream))
+            pieces = [local_piece(s, f, rank) + g for s, f, g in zip(bucket.slots, flats, got)]
+        else:
+            flat = join_pieces(flats, last)
+            summed = mx.distributed.all_sum(flat, group=group, stream=stream)
+            pieces = [
+                local_piece(s, summed[start : start + s.size], rank)
+                for s, start in zip(bucket.slots, flat_starts(bucket))
+            ]
         if replicas == 1:
             pieces = [p / total for p in pieces]
             return pieces, pieces[0]

@@ -38,9 +38,28 @@ def test_native_when_the_probe_succeeds_and_probed_once(monkeypatch):
     assert len(calls) == 1
 
 
-def test_all_sum_fallback_when_the_probe_fails(monkeypatch):
+def test_fallbacks_when_the_probe_fails_exchange_for_two_ranks(monkeypatch):
     monkeypatch.setattr(collectives, "_probe_native", lambda g: False)
-    assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "all_sum"
+    assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "exchange"
+    for n in (3, 4, 8):
+        assert collectives.reduce_scatter_method(FakeGroup(n, 0)) == "all_sum"
+
+
+def test_native_wins_over_exchange_at_two_ranks(monkeypatch):
+    monkeypatch.setattr(collectives, "_probe_native", lambda g: True)
+    assert collectives.reduce_scatter_method(FakeGroup(2, 1)) == "native"
+
+
+def test_exchange_forced_on_more_than_two_ranks_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(collectives, "_probe_native", lambda g: False)
+    with pytest.raises(ValueError, match="method='exchange' needs a group of exactly 2 ranks.*has 4.*'all_sum'"):
+        collectives.reduce_scatter_method(FakeGroup(4, 0), "exchange")
+    monkeypatch.setenv(collectives.ENV_VAR, "exchange")
+    with pytest.raises(ValueError, match="MLX_FSDP_REDUCE_SCATTER='exchange' needs a group of exactly 2"):
+        collectives.reduce_scatter_method(FakeGroup(3, 0))
+    assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "exchange"
+    with pytest.raises(ValueError, match="exchange needs a group of exactly 2 ranks"):
+        collectives.exchange(mx.zeros((4,)), FakeGroup(3, 0))
 
 
 def test_the_real_probe_on_this_backend_is_false_or_true_never_raises():
@@ -54,12 +73,13 @@ def test_environment_and_argument_override(monkeypatch):
     assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "native"
     assert collectives.reduce_scatter_method(FakeGroup(2, 0), "all_sum") == "all_sum"
     monkeypatch.setenv(collectives.ENV_VAR, "auto")
-    assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "all_sum"
+    assert collectives.reduce_scatter_method(FakeGroup(2, 0)) == "exchange"
+    assert collectives.reduce_scatter_method(FakeGroup(3, 0)) == "all_sum"
 
 
 def test_unknown_method_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(collectives.ENV_VAR, "ring")
-    with pytest.raises(ValueError, match="MLX_FSDP_REDUCE_SCATTER='ring'.*native, all_sum"):
+    with pytest.raises(ValueError, match="MLX_FSDP_REDUCE_SCATTER='ring'.*native, exchange, all_sum"):
         collectives.reduce_scatter_method(FakeGroup(2, 0))
 
 
@@ -82,3 +102,27 @@ def test_all_sum_method_takes_this_ranks_row(monkeypatch):
     monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: x * 2)
     x = mx.arange(6, dtype=mx.float32).reshape(2, 3)
     assert collectives.reduce_scatter(x, FakeGroup(2, 1), method="all_sum").tolist() == [6.0, 8.0, 10.0]
+
+
+def _fake_all_gather(peer_rows):
+    # What the other rank sends: all_gather stacks the two ranks' inputs.
+    def all_gather(x, group=None, stream=None):
+        rows = [x, peer_rows] if group.rank() == 0 else [peer_rows, x]
+        return mx.concatenate(rows)
+    return all_gather
+
+
+def test_exchange_sends_the_peers_row_and_adds_what_comes_back(monkeypatch):
+    mine = mx.array([[1.0, 2.0], [3.0, 4.0]])  # this rank's (2, cols) gradient
+    peer = mx.array([[10.0, 20.0], [30.0, 40.0]])  # the other rank's
+    for rank in (0, 1):
+        sent = {}
+
+        def all_gather(x, group=None, stream=None):
+            sent["row"] = x.tolist()
+            return _fake_all_gather(peer[rank])(x, group, stream)
+
+        monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
+        out = collectives.reduce_scatter(mine, FakeGroup(2, rank), method="exchange")
+        assert sent["row"] == mine[1 - rank].tolist(), "must send the row the peer keeps"
+        assert out.tolist() == (mine[rank] + peer[rank]).tolist()

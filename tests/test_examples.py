@@ -174,7 +174,7 @@ def test_bench_step_sweep_two_ranks(tmp_path):
                       "--json", tmp_path / "s.json", "--markdown", tmp_path / "s.md"])
     with open(tmp_path / "s.json") as f:
         res = json.load(f)
-    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "all_sum"
+    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "exchange"
     points = {(r["hidden"], r["dtype"], r["communication_size"]) for r in res["results"]}
     assert points == {(h, d, s) for h in (32, 48) for d in ("float32", "bfloat16")
                       for s in (1024, 32 * 1024**2)}
@@ -193,7 +193,7 @@ def test_bench_collectives_two_ranks(tmp_path):
                ["--min-size", 4096, "--max-size", 65536, "--iters", 2, "--json", tmp_path / "c.json"])
     with open(tmp_path / "c.json") as f:
         res = json.load(f)
-    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "all_sum"
+    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "exchange"
     rows = res["results"]
     assert sorted({r["op"] for r in rows}) == ["all_gather", "all_sum", "reduce_scatter"]
     assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536]

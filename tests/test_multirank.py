@@ -65,6 +65,14 @@ def test_parity_mpi_bf16_part_against_ddp(n):
     _check(run_ranks(n, "parity.py", [4, *_configs(1)]), vs_reference=False)
 
 
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_two_rank_exchange_equals_all_sum_bit_for_bit(backend):
+    (r,) = run_ranks(2, "exchange.py", backend=backend)
+    assert r["auto"] == "exchange", r
+    assert r["rows_equal"] and r["pieces_equal"], r
+    assert r["steps_equal"] and r["arrays"] == 11, r
+
+
 def test_state_and_peak_memory_below_ddp_at_n2():
     (r,) = run_ranks(2, "memory.py", [512, 4])
     assert r["fsdp_state"] <= r["ddp_state"] * (1 / 2 + 0.02), r
