@@ -41,8 +41,8 @@ def global_norm(
     squares = sum_of_squares(arrays)
     if group is not None and group.size() > 1:
         # Every rank sums the same gathered values in the same order, so the
-        # norm agrees across ranks; a scalar all_gather costs ~0.1 ms on ring
-        # where its all_sum costs ~10 ms.
+        # norm agrees across ranks. On ring a small all_sum has a fixed cost
+        # of several ms that all_gather does not have (see collectives.py).
         squares = mx.distributed.all_gather(squares.reshape(1), group=group).sum()
     return mx.sqrt(squares)
 

@@ -30,7 +30,7 @@ def fsdp_apply_gradients(
     Code written for ``mlx.nn.fsdp_apply_gradients`` keeps working after
     changing only the import. Unlike the original, array sizes need not divide
     by the world size, gradients may mix dtypes, and it runs on every backend
-    (ring and MPI through an all-sum fallback for the reduce-scatter).
+    (ring and MPI through a fallback for the reduce-scatter, see :mod:`mlx_fsdp.collectives`).
 
     The optimizer keeps this rank's shard state between calls, so pass the same
     optimizer every step. :func:`mlx_fsdp.fsdp_step` is the same step behind an

@@ -342,7 +342,7 @@ def clip_pieces(
     """Clip every bucket's pieces by the global norm of all of them.
 
     Replicas of a hybrid layout hold equal pieces, so the norm is summed over
-    the shard group only. ``last`` orders the norm's all-sum after the last
+    the shard group only. ``last`` orders the norm's collective after the last
     reduce-scatter even on a rank that holds no piece of that bucket.
 
     Returns:

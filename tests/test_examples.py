@@ -198,3 +198,32 @@ def test_bench_collectives_two_ranks(tmp_path):
     assert sorted({r["op"] for r in rows}) == ["all_gather", "all_sum", "reduce_scatter"]
     assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536]
     assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in rows)
+
+
+def test_ring_local_starts_real_ring_ranks(tmp_path):
+    # benchmarks/ring_local.py replaces mlx.launch for timing: the ranks it
+    # starts must form one ring group of the asked size and finish cleanly.
+    import subprocess
+
+    from launch import _free_ports
+
+    out = tmp_path / "c.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
+           "--starting-port", str(_free_ports(2)), "--", sys.executable,
+           os.path.join(ROOT, "benchmarks", "bench_collectives.py"),
+           "--min-size", "4096", "--max-size", "4096", "--iters", "2", "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"HANG: {' '.join(cmd)} did not finish in 120s\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and res["reduce_scatter_method"] == "exchange"
+
+
+def test_ring_local_refuses_a_missing_command():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "give -n >= 1 and a command after --" in proc.stderr
