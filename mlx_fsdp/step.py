@@ -45,7 +45,7 @@ def pack(
         )
     parts = []
     for slot in bucket.slots:
-        flat = grads[slot.index].reshape(-1)
+        flat = flatten(slot, grads[slot.index])
         pad = n * slot.cols - slot.size
         if pad:
             flat = mx.concatenate([flat, mx.zeros((pad,), flat.dtype)])
@@ -53,6 +53,23 @@ def pack(
     if last is not None:
         parts.append(mx.broadcast_to(order_after(last, parts[0].dtype, 2)[0], (n, 0)))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def flatten(slot: Slot, a: mx.array) -> mx.array:
+    """The elements of a full array in the slot's order (see :mod:`mlx_fsdp.plan`).
+
+    Already flat input is returned as it is: its elements are in that order.
+    """
+    if slot.order == "F" and a.ndim == 2:
+        return a.T.reshape(-1)
+    return a.reshape(-1)
+
+
+def unflatten(slot: Slot, flat: mx.array) -> mx.array:
+    """The full array from its ``slot.size`` elements in the slot's order."""
+    if slot.order == "F":
+        return flat.reshape(slot.shape[::-1]).T
+    return flat.reshape(slot.shape)
 
 
 def local_piece(slot: Slot, param: mx.array, rank: int) -> mx.array:
@@ -69,7 +86,7 @@ def local_piece(slot: Slot, param: mx.array, rank: int) -> mx.array:
     start = min(rank * slot.cols, slot.size)
     stop = min(rank * slot.cols + slot.cols, slot.size)
     missing = slot.cols - (stop - start)
-    flat = param.reshape(-1)[start:stop]
+    flat = flatten(slot, param)[start:stop]
     if not missing:
         return flat
     # Concatenating even an empty slice keeps ``param`` in the graph. When it
@@ -100,7 +117,7 @@ def unpack(bucket: Bucket, gathered: mx.array) -> List[mx.array]:
         flat = block.reshape(-1)
         if flat.size != slot.size:
             flat = flat[: slot.size]
-        a = flat.reshape(slot.shape)
+        a = unflatten(slot, flat)
         out.append(a if a.dtype == dtype else a.astype(dtype))
     return out
 
@@ -197,9 +214,9 @@ def reduce_bucket(
     total = n * replicas
     if method in ("exchange", "all_sum") and n > 1 and not bucket.owned:
         rank = group.rank()
-        # Flatten once: a weight's gradient is often a transposed view, and
-        # every reshape of it would be another full copy.
-        flats = [grads[s.index].reshape(-1) for s in bucket.slots]
+        # Flatten once: an array stored in another order than its slot's
+        # would be copied by every flatten.
+        flats = [flatten(s, grads[s.index]) for s in bucket.slots]
         if method == "exchange":
             theirs = join_pieces(
                 [local_piece(s, f, 1 - rank) for s, f in zip(bucket.slots, flats)], last

@@ -92,12 +92,17 @@ def test_manifest_is_plain_json(saved_n2):
     assert len(m["plan"]["buckets"]) == 11
     mix = m["optimizers"][0]["parameters"]["mix"]
     assert (mix["shape"], mix["cols"], mix["entries"]["m"]["kind"]) == ([7, 15], 53, "flat")
+    assert mix["entries"]["m"]["order"] == "F" and m["format_version"] == 2
     assert set(m["files"]) == {"model.safetensors", "optimizer-00000-of-00002.safetensors",
                                "optimizer-00001-of-00002.safetensors"}
-    # Rebuild one entry following only the manifest's how_to_read note.
+    # Rebuild one entry following only the manifest's layout note (order 'F':
+    # reshape to the reversed shape and transpose); it is plain MLX's state.
     pieces = [mx.load(os.path.join(saved_n2, f"optimizer-0000{r}-of-00002.safetensors"))
               ["state/0/mix/m"] for r in range(2)]
-    assert mx.concatenate(pieces)[:105].reshape(7, 15).shape == (7, 15)
+    assert "order 'F'" in m["layout"]["how_to_read"]
+    rebuilt = mx.concatenate(pieces)[:105].reshape(15, 7).T
+    _, ref = _plain_reference()
+    assert mx.abs(rebuilt - ref.state["mix"]["m"]).max().item() <= 1e-5
 
 
 def _plain_reference(steps=STEPS):
@@ -322,6 +327,33 @@ def _step_of_n2(path):
     m = read_manifest(path)
     verify_files(path, m)
     return m["step"]
+
+
+def test_rebuild_reads_column_and_row_order_and_version_1_manifests(tmp_path):
+    from mlx_fsdp.checkpoint.layout import _rebuild
+    from mlx_fsdp.checkpoint.manifest import CheckpointError, read_manifest, shard_file
+
+    a = mx.arange(35, dtype=mx.float32).reshape(7, 5)
+    by_columns = mx.concatenate([a.T.reshape(-1), mx.zeros(1)])  # 2 shards of 18
+    by_rows = mx.concatenate([a.reshape(-1), mx.zeros(1)])
+    for flat, entry in ((by_columns, {"order": "F"}), (by_rows, {"order": "C"}), (by_rows, {})):
+        files = {shard_file(r, 2): {"k": flat[18 * r:18 * (r + 1)]} for r in range(2)}
+        entry.update(kind="flat", shape=[7, 5], source=0)
+        assert mx.array_equal(_rebuild("k", entry, 35, files, 2), a), entry
+    # A version-1 manifest (no "order": rows throughout) is read; an unknown version is not.
+    model, opt = make_model(bf16=False), mlx_fsdp.fsdp_step(make_optimizer("adamw"))
+    train(model, opt, 1)
+    mlx_fsdp.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    path = str(tmp_path / "ck" / "manifest.json")
+    m = json.load(open(path))
+    for version, ok in ((1, True), (3, False)):
+        m["format_version"] = version
+        json.dump(m, open(path, "w"))
+        if ok:
+            assert read_manifest(str(tmp_path / "ck"))["format_version"] == 1
+        else:
+            with pytest.raises(CheckpointError, match="format_version=3; this mlx_fsdp reads versions 1, 2"):
+                read_manifest(str(tmp_path / "ck"))
 
 
 def test_one_process_wrappers_round_trip_exactly(tmp_path):

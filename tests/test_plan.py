@@ -36,6 +36,24 @@ def test_pack_rows_are_the_pieces_and_unpack_restores(n, budget):
             assert mx.array_equal(back, arrays[slot.index])
 
 
+def test_sharded_matrices_are_enumerated_column_by_column():
+    plan = build_plan(_sig([(7, 15), (15,), (3, 3, 3), ()]), 2, 0)
+    assert {s.path: s.order for b in plan.buckets for s in b.slots} == {
+        "p0": "F", "p1": "C", "p2": "C", "p3": "C"}
+    assert [s.order for b in build_plan(_sig([(7, 15)]), 1, 0).buckets for s in b.slots] == ["C"]
+    slot = plan.buckets[0].slots[0]
+    a = mx.random.normal((7, 15))
+    assert slot.cols == 53
+    assert mx.array_equal(local_piece(slot, a, 0), a.T.reshape(-1)[:53])
+    assert mx.array_equal(local_piece(slot, a, 1), mx.concatenate([a.T.reshape(-1)[53:], mx.zeros(1)]))
+    # The order is the plan's, not the memory layout's: a transposed view gives the same pieces.
+    stored_by_columns = mx.contiguous(a.T).T
+    for r in (0, 1):
+        assert mx.array_equal(local_piece(slot, stored_by_columns, r), local_piece(slot, a, r))
+    (back,) = unpack(plan.buckets[0], pack(plan.buckets[0], [stored_by_columns], 2))
+    assert mx.array_equal(back, a)
+
+
 def test_padding_is_zero_and_counted():
     plan = build_plan(_sig([(7, 15), ()]), 4, 0)
     a = _arrays([(7, 15), ()])

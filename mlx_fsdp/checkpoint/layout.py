@@ -103,12 +103,15 @@ def arrays_to_save(plan: Plan, optimizer, wrapper, sharded: bool) -> Dict[str, m
 
 def _entry(slot: Slot, info: dict, source: int) -> dict:
     flat = owner(slot) is None and info["shape"] == [slot.cols]
-    return {
+    entry = {
         "kind": "flat" if flat else "whole",
         "dtype": info["dtype"],
         "shape": list(slot.shape) if flat else info["shape"],
         "source": source,
     }
+    if flat:
+        entry["order"] = getattr(slot, "order", "C")
+    return entry
 
 
 def describe_state(plan: Plan, optimizer, headers: List[dict]) -> Tuple[list, dict]:
@@ -164,8 +167,12 @@ def _rebuild(key: str, entry: dict, size: int, files: Dict[str, dict], num_shard
     if entry["kind"] == "whole":
         return get(entry["source"])
     pieces = [get(r) for r in range(num_shards)]
-    flat = pieces[0] if num_shards == 1 else mx.concatenate(pieces)
-    return flat[:size].reshape(entry["shape"])
+    flat = pieces[0] if num_shards == 1 else mx.concatenate(pieces)[:size]
+    # Checkpoints written before the column order existed have no "order":
+    # their pieces are row by row.
+    if entry.get("order", "C") == "F":
+        return mx.contiguous(flat.reshape(entry["shape"][::-1]).T)
+    return flat.reshape(entry["shape"])
 
 
 def rebuild(manifest: dict, files: Dict[str, dict]):

@@ -29,7 +29,10 @@ import struct
 import mlx.optimizers as optim
 
 FORMAT = "mlx_fsdp-checkpoint"
-FORMAT_VERSION = 1
+#: Version 2 adds each flat entry's element ``order``. Version 1 manifests
+#: (row order throughout) are still read; a version-1 reader refuses version 2.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 
@@ -41,7 +44,9 @@ LAYOUT_NOTE = (
     "parameter's shape and was split into plan.world_size pieces of `cols` elements "
     "(the flattened array, zero-padded to world_size * cols); piece r is key "
     "'state/{k}/{path}/{name}' in shard file r; concatenate the pieces in rank "
-    "order, keep the first `size` elements and reshape to `shape`. Kind 'whole' "
+    "order, keep the first `size` elements and reshape to `shape`, except that an "
+    "entry with order 'F' lists the elements column by column: reshape to the "
+    "reversed shape and transpose. Kind 'whole' "
     "means the entry is stored whole, with its own shape, in the file of shard "
     "`source`. Top-level optimizer state is 'scalars/{k}/{name}' in shard file 0; "
     "fp32 master weights (if listed under 'master') are 'master/{path}', laid out "
@@ -175,10 +180,10 @@ def read_manifest(path: str) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not an mlx_fsdp checkpoint manifest (no format={FORMAT!r}).")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{file} has format_version={version!r}; this mlx_fsdp reads version "
-            f"{FORMAT_VERSION}. Use the mlx_fsdp version that wrote it "
+            f"{file} has format_version={version!r}; this mlx_fsdp reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the mlx_fsdp version that wrote it "
             f"({manifest.get('mlx_fsdp_version')})."
         )
     for key in ("files", "plan", "model", "optimizer", "optimizers", "layout"):

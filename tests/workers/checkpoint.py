@@ -63,7 +63,9 @@ def state_vs_reference(opt, ref_opt, group):
                     assert piece.shape == node[name].shape, (path, name, piece.shape)
                     worst = max(worst, mx.abs(piece - node[name]).max().item())
                     continue
-                flat = node[name].reshape(-1)
+                # The documented layout: a sharded matrix column by column.
+                whole = node[name]
+                flat = (whole.T if whole.ndim == 2 else whole).reshape(-1)
                 cols = -(-flat.size // n)
                 flat = mx.concatenate([flat, mx.zeros((n * cols - flat.size,), flat.dtype)])
                 expect = flat[rank * cols:(rank + 1) * cols]
