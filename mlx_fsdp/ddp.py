@@ -33,15 +33,10 @@ class ReplicatedOptimizer(DistributedOptimizer):
         grad_accumulation_steps: int = 1,
     ):
         super().__init__(
-            optimizer,
-            group,
-            max_norm,
-            master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype,
-            grad_accumulation_steps=grad_accumulation_steps,
+            optimizer, group, max_norm, communication_size=communication_size,
+            communication_stream=communication_stream, master_dtype=master_dtype,
+            reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
         )
-        self.communication_size = communication_size
-        self.communication_stream = communication_stream
 
     def _step(self, gradients, parameters):
         gradients = nn.average_gradients(

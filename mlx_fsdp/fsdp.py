@@ -50,24 +50,14 @@ class ShardedOptimizer(DistributedOptimizer):
         placement=None,
     ):
         super().__init__(
-            optimizer,
-            group,
-            max_norm,
-            master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype,
-            grad_accumulation_steps=grad_accumulation_steps,
+            optimizer, group, max_norm, communication_size=communication_size,
+            communication_stream=communication_stream, master_dtype=master_dtype,
+            reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
             accumulation=accumulation,
         )
         placement_rules.resolve(optimizer, placement)
         check_hybrid(self.group, dp_group)
-        if not isinstance(communication_size, int) or isinstance(communication_size, bool):
-            raise ValueError(
-                f"communication_size={communication_size!r} must be an int number "
-                "of bytes (<= 0 puts every array in its own bucket)."
-            )
         self.dp_group = dp_group
-        self.communication_size = communication_size
-        self.communication_stream = communication_stream
         self.placement = placement
         self._verified = set()
         self._plan = None

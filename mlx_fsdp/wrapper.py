@@ -62,6 +62,10 @@ class DistributedOptimizer:
             ``None`` means the global group. Default: ``None``.
         max_norm (float, optional): Clip gradients to this global norm.
             Default: ``None``.
+        communication_size (int): Byte budget of a communication bucket.
+            Default: ``32 * 1024**2``.
+        communication_stream (mlx.core.Stream, optional): Stream for the
+            collectives. Default: ``None``.
         master_dtype (Dtype, optional): Step parameters of other dtypes
             through master copies of this dtype. Default: ``None``.
         reduce_dtype (Dtype, optional): Cast gradients to this dtype before
@@ -80,6 +84,8 @@ class DistributedOptimizer:
         group=None,
         max_norm: Optional[float] = None,
         *,
+        communication_size: int = 32 * 1024**2,
+        communication_stream: Optional[mx.Stream] = None,
         master_dtype: Optional[mx.Dtype] = None,
         reduce_dtype: Optional[mx.Dtype] = None,
         grad_accumulation_steps: int = 1,
@@ -91,6 +97,11 @@ class DistributedOptimizer:
                 "an optimizer instance, e.g. optim.AdamW(learning_rate=3e-4)."
             )
         clip.check_max_norm(max_norm)
+        if not isinstance(communication_size, int) or isinstance(communication_size, bool):
+            raise ValueError(
+                f"communication_size={communication_size!r} must be an int number "
+                "of bytes (<= 0 puts every array in its own bucket)."
+            )
         master.check_dtype("master_dtype", master_dtype)
         master.check_dtype("reduce_dtype", reduce_dtype)
         k = grad_accumulation_steps
@@ -107,6 +118,8 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.group = group_or_global(group)
         self.max_norm = max_norm
+        self.communication_size = communication_size
+        self.communication_stream = communication_stream
         self.master_dtype = master_dtype
         self.reduce_dtype = reduce_dtype
         self.grad_accumulation_steps = k

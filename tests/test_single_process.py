@@ -138,8 +138,9 @@ def test_bad_max_norm(bad):
 
 
 def test_bad_communication_size():
-    with pytest.raises(ValueError, match="communication_size=1.5 must be an int"):
-        mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), communication_size=1.5)
+    for wrap in (mlx_fsdp.fsdp_step, mlx_fsdp.ddp_step):
+        with pytest.raises(ValueError, match="communication_size=1.5 must be an int"):
+            wrap(optim.SGD(learning_rate=0.1), communication_size=1.5)
 
 
 def test_gradient_without_a_parameter():
