@@ -1,0 +1,167 @@
+"""``python -m mlx_fsdp.lora``: ``mlx_lm.lora`` on a sharded optimizer.
+
+Takes every flag of ``mlx_lm.lora`` (and its YAML ``--config``), plus
+``--fsdp/--no-fsdp``, ``--communication-size``, ``--max-norm``,
+``--master-dtype``, ``--checkpoint-dir`` and ``--resume``; ``--save-every``
+also saves a sharded checkpoint. Under ``mlx.launch -n N`` it trains with
+:func:`mlx_fsdp.fsdp_step`, with no second all-reduce::
+
+    mlx.launch -n 2 --backend ring -- python -m mlx_fsdp.lora --model PATH --data DIR --train
+
+Everything else is mlx-lm's own: model and data loading, LoRA/DoRA layers,
+``adapter_config.json``, the trainer, evaluation and ``--test``.
+"""
+
+import argparse
+import os
+import re
+import types
+from functools import partial
+
+import mlx.core as mx
+
+#: Defaults of the flags this command adds to ``mlx_lm.lora``'s.
+FSDP_DEFAULTS = {
+    "fsdp": True,
+    "communication_size": 32 * 1024**2,
+    "max_norm": None,
+    "master_dtype": None,
+    "checkpoint_dir": None,
+    "resume": False,
+}
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text) -> int:
+    """Bytes from ``33554432``, ``32MiB``, ``512KiB`` or ``32M`` (units are binary)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"size={text!r} is not a byte count; give an integer, optionally with a "
+            "unit: 1048576, 1MiB, 512KiB, 32M."
+        )
+    unit = (m.group(2) or "B")[0].upper()
+    return int(m.group(1)) * {"B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``mlx_lm.lora``'s parser with the flags of the sharded optimizer added."""
+    from mlx_lm.lora import build_parser as mlx_lm_parser
+
+    parser = mlx_lm_parser()
+    parser.description = "LoRA, QLoRA or full fine-tuning with a sharded (FSDP) optimizer."
+    group = parser.add_argument_group(
+        "mlx_fsdp",
+        "The sharded optimizer and its checkpoints. --save-every also saves a sharded "
+        "checkpoint (every rank) to --checkpoint-dir/step-NNNNNNN.",
+    )
+    group.add_argument(
+        "--fsdp", action=argparse.BooleanOptionalAction, default=None,
+        help="Shard the optimizer state over the ranks (fsdp_step); --no-fsdp "
+             "replicates it (ddp_step). Default: --fsdp.",
+    )
+    group.add_argument(
+        "--communication-size", type=parse_size, default=None,
+        help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: 32MiB.",
+    )
+    group.add_argument(
+        "--max-norm", type=float, default=None,
+        help="Clip the gradients to this global norm. Default: no clipping.",
+    )
+    group.add_argument(
+        "--master-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="Step parameters of other dtypes through master copies of this dtype "
+             "(e.g. float32 for a bfloat16 model). Default: none.",
+    )
+    group.add_argument(
+        "--checkpoint-dir", type=str, default=None,
+        help="Where to save sharded checkpoints. Default: ADAPTER_PATH/checkpoints.",
+    )
+    group.add_argument(
+        "--resume", action="store_true", default=None,
+        help="Continue from the latest checkpoint in --checkpoint-dir, at this or "
+             "another number of ranks; --iters is where the whole run ends.",
+    )
+    return parser
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+    """Parse the flags, then fill what is not given from ``--config`` and the defaults.
+
+    As ``mlx_lm.lora`` does: the command line wins over the YAML file, which
+    wins over ``mlx_lm.lora.CONFIG_DEFAULTS`` and :data:`FSDP_DEFAULTS`.
+    """
+    import yaml
+    from mlx_lm.lora import CONFIG_DEFAULTS, yaml_loader
+
+    args = vars(build_parser().parse_args(argv))
+    if args["config"]:
+        with open(args["config"]) as fh:
+            config = yaml.load(fh, yaml_loader)
+        for k, v in config.items():
+            if args.get(k) is None:
+                args[k] = v
+    for defaults in (CONFIG_DEFAULTS, FSDP_DEFAULTS):
+        for k, v in defaults.items():
+            if args.get(k) is None:
+                args[k] = v
+    args["communication_size"] = parse_size(args["communication_size"])
+    return types.SimpleNamespace(**args)
+
+
+def save_model_directory(path: str, model_ref: str, model):
+    """Write ``model`` as a model directory ``mlx_lm.load`` opens, with mlx-lm's ``save``.
+
+    Args:
+        path (str): The directory to write.
+        model_ref (str): The ``--model`` it was loaded from (a directory or a
+            Hugging Face repository already in the local cache); gives the
+            config and the tokenizer.
+        model (mlx.nn.Module): The fine-tuned model.
+    """
+    from pathlib import Path
+
+    from mlx_lm.utils import hf_repo_to_path, load_config, load_tokenizer, save
+
+    src = Path(model_ref)
+    if not src.exists():
+        src = hf_repo_to_path(model_ref)
+    save(path, model_ref, model, load_tokenizer(src), load_config(src), donate_model=False)
+
+
+def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
+           training_callback=None, **rest):
+    # Stands in for mlx-lm's trainer inside mlx_lm.lora.train_model.
+    from .lm import train
+
+    adapter_path = options.adapter_path
+    train(
+        model, optimizer, train_dataset, val_dataset, args,
+        training_callback=training_callback, fsdp=options.fsdp,
+        checkpoint_dir=options.checkpoint_dir or os.path.join(adapter_path, "checkpoints"),
+        resume=bool(options.resume), log_file=os.path.join(adapter_path, "losses.jsonl"),
+        communication_size=options.communication_size, max_norm=options.max_norm,
+        master_dtype=getattr(mx, options.master_dtype) if options.master_dtype else None,
+        **rest,
+    )
+    if options.fine_tune_type == "full" and mx.distributed.init().rank() == 0:
+        path = os.path.join(adapter_path, "model")
+        save_model_directory(path, options.model, model)
+        print(f"Saved the fine-tuned model to {path} (mlx_lm.load reads it)", flush=True)
+
+
+def main(argv=None):
+    """Run ``mlx_lm.lora`` with the sharded optimizer; see the module docstring."""
+    from mlx_lm.lora import run
+
+    from .lm.hooks import lora_train_replaced
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # as mlx_lm.lora sets it
+    args = parse_args(argv)
+    with lora_train_replaced(partial(_train, args)):
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
