@@ -45,6 +45,29 @@ def parse_size(text) -> int:
     return int(m.group(1)) * {"B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
 
 
+_FLAGS = (
+    ("--fsdp", dict(
+        action=argparse.BooleanOptionalAction,
+        help="Shard the optimizer state over the ranks (fsdp_step); --no-fsdp replicates "
+             "it (ddp_step). Default: --fsdp.")),
+    ("--communication-size", dict(
+        type=parse_size,
+        help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: 32MiB.")),
+    ("--max-norm", dict(
+        type=float, help="Clip the gradients to this global norm. Default: no clipping.")),
+    ("--master-dtype", dict(
+        choices=["float32", "bfloat16", "float16"],
+        help="Step parameters of other dtypes through master copies of this dtype (e.g. "
+             "float32 for a bfloat16 model). Default: none.")),
+    ("--checkpoint-dir", dict(
+        type=str, help="Where to save sharded checkpoints. Default: ADAPTER_PATH/checkpoints.")),
+    ("--resume", dict(
+        action="store_true",
+        help="Continue from the latest checkpoint in --checkpoint-dir, at this or another "
+             "number of ranks; --iters is where the whole run ends.")),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``mlx_lm.lora``'s parser with the flags of the sharded optimizer added."""
     from mlx_lm.lora import build_parser as mlx_lm_parser
@@ -56,33 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "The sharded optimizer and its checkpoints. --save-every also saves a sharded "
         "checkpoint (every rank) to --checkpoint-dir/step-NNNNNNN.",
     )
-    group.add_argument(
-        "--fsdp", action=argparse.BooleanOptionalAction, default=None,
-        help="Shard the optimizer state over the ranks (fsdp_step); --no-fsdp "
-             "replicates it (ddp_step). Default: --fsdp.",
-    )
-    group.add_argument(
-        "--communication-size", type=parse_size, default=None,
-        help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: 32MiB.",
-    )
-    group.add_argument(
-        "--max-norm", type=float, default=None,
-        help="Clip the gradients to this global norm. Default: no clipping.",
-    )
-    group.add_argument(
-        "--master-dtype", choices=["float32", "bfloat16", "float16"], default=None,
-        help="Step parameters of other dtypes through master copies of this dtype "
-             "(e.g. float32 for a bfloat16 model). Default: none.",
-    )
-    group.add_argument(
-        "--checkpoint-dir", type=str, default=None,
-        help="Where to save sharded checkpoints. Default: ADAPTER_PATH/checkpoints.",
-    )
-    group.add_argument(
-        "--resume", action="store_true", default=None,
-        help="Continue from the latest checkpoint in --checkpoint-dir, at this or "
-             "another number of ranks; --iters is where the whole run ends.",
-    )
+    for flag, options in _FLAGS:
+        # default=None everywhere: a flag not given is taken from --config, then the defaults.
+        group.add_argument(flag, default=None, **options)
     return parser
 
 

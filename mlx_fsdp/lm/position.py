@@ -13,9 +13,12 @@ N, when it
    batches (``P`` batches per pass) again;
 2. then sets it to what it was after iteration ``s``, so later passes and
    evaluations draw what they drew;
-3. keeps the evaluation that mlx-lm's trainer runs on the first iteration of
-   every ``train`` call from drawing, unless the uninterrupted run evaluated
-   there too.
+3. draws for evaluation where the uninterrupted run evaluated, whether or not
+   the trainer evaluates there: the trainer counts iterations from 1 in every
+   ``train`` call and evaluates on the first one and every ``steps_per_eval``
+   after it, so a resumed run evaluates where its own count says. Evaluations
+   the uninterrupted run did not run are kept from drawing; for those it ran
+   and the resumed one does not, the permutation is drawn and dropped.
 
 :class:`ResumableBatches` does this, and checks on every pass that the draws
 happen where it expects them, so a change in mlx-lm cannot make a resumed
@@ -81,11 +84,17 @@ class ResumableBatches:
         self._position = position
         self._pass_state = _state_from_json(position["pass_state"]) if position else None
         self._after_pull = None
-        self._quiet_eval = start > 0 and not self._evaluates(start + 1)
+        self._quiet_eval = False
+        self._eval_kwargs = None
 
     def _evaluates(self, it: int) -> bool:
-        # When mlx-lm's trainer evaluates (before the step of iteration ``it``).
+        # Whether an uninterrupted run evaluates at iteration ``it`` (before its step).
         return it == 1 or it % self.steps_per_eval == 0 or it == self.iters
+
+    def _trainer_evaluates(self, it: int) -> bool:
+        # Whether this ``train`` call, which counts from ``start + 1``, evaluates at ``it``.
+        local = it - self.start
+        return local == 1 or local % self.steps_per_eval == 0 or it == self.iters
 
     def position(self) -> dict:
         """The data position after the current iteration, as JSON-able data."""
@@ -105,6 +114,7 @@ class ResumableBatches:
                       loop=loop, seed=seed, comm_group=comm_group)
         if loop:
             return self._training(kwargs, batches_per_pass(len(dataset), batch_size))
+        self._eval_kwargs = kwargs
         if self._quiet_eval:
             self._quiet_eval = False
             return self._without_drawing(self.iterate(**kwargs))
@@ -150,4 +160,13 @@ class ResumableBatches:
                     "continue the data order"
                 )
             self.iteration += 1
+            self._match_evaluation_draws(self.iteration)
             yield batch
+
+    def _match_evaluation_draws(self, it: int):
+        # Called between the pull of batch ``it`` and the evaluation before its step.
+        if self._evaluates(it) and not self._trainer_evaluates(it):
+            if self._eval_kwargs is not None:
+                next(self.iterate(**self._eval_kwargs), None)
+        elif self._trainer_evaluates(it) and not self._evaluates(it):
+            self._quiet_eval = True

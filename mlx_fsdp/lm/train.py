@@ -110,6 +110,7 @@ def _trim_log(path: str, start: int):
                 r = json.loads(line)
                 if r["iteration"] < start or (r["kind"] == "train" and r["iteration"] == start):
                     kept.append(line)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         fh.writelines(kept)
 
