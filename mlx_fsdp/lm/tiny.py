@@ -118,6 +118,8 @@ def write_data(path: str, *, train: int = 64, valid: int = 16, test: int = 8,
                words_per_line: int = 12, seed: int = 0):
     """Write ``train.jsonl``, ``valid.jsonl`` and ``test.jsonl`` of ``{"text": ...}`` lines.
 
+    A split of 0 lines is not written (mlx-lm refuses an empty file).
+
     Every line has the same number of words, so every rank of a batch gets the
     same number of tokens and the loss does not depend on the number of ranks.
 
@@ -132,8 +134,10 @@ def write_data(path: str, *, train: int = 64, valid: int = 16, test: int = 8,
     rng = random.Random(seed)
     os.makedirs(path, exist_ok=True)
     # A loose grammar gives the model something to learn in a few steps.
-    nouns, verbs = WORDS[10:22], WORDS[28:36]
+    nouns, verbs = WORDS[10:22], WORDS[30:38]
     for name, count in (("train", train), ("valid", valid), ("test", test)):
+        if not count:
+            continue
         with open(os.path.join(path, f"{name}.jsonl"), "w") as fh:
             for _ in range(count):
                 words = []
