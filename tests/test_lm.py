@@ -254,7 +254,7 @@ def test_init_with_all_parameters_then_train(files):
 
 
 def _lora_run(files, path: str, iters: int, *, ours: bool = True, resume: bool = False,
-              batch_size: int = 6, steps_per_save: int = 3):
+              batch_size: int = 6, steps_per_save: int = 3, data: str = None):
     """mlx_fsdp.lm.train (or mlx-lm's own train, ``ours=False``) on LoRA in this process."""
     import types
     from pathlib import Path
@@ -273,7 +273,7 @@ def _lora_run(files, path: str, iters: int, *, ours: bool = True, resume: bool =
     model, tokenizer = load(files["llama"])
     model.freeze()
     linear_to_lora_layers(model, 2, {"rank": 4, "dropout": 0.0, "scale": 10.0})
-    train_set, valid_set, _ = load_local_dataset(Path(files["data"]), tokenizer,
+    train_set, valid_set, _ = load_local_dataset(Path(data or files["data"]), tokenizer,
                                                  types.SimpleNamespace())
     os.makedirs(path, exist_ok=True)
     args = trainer.TrainingArgs(
@@ -333,6 +333,12 @@ def test_resume_refuses_what_cannot_continue(files, tmp_path):
         _lora_run(files, path, 6, resume=True, batch_size=3)
     with pytest.raises(ValueError, match="past iters=2"):
         _lora_run(files, path, 2, resume=True)
+    from mlx_fsdp.lm.tiny import write_data
+
+    other = str(tmp_path / "other")
+    write_data(other, train=24, valid=12)
+    with pytest.raises(ValueError, match="4 batches per pass, but the run was saved with 3"):
+        _lora_run(files, path, 6, resume=True, data=other)
 
 
 def test_sharded_training_restores_mlx_lm():

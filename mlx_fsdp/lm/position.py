@@ -84,6 +84,7 @@ class ResumableBatches:
         self._position = position
         self._pass_state = _state_from_json(position["pass_state"]) if position else None
         self._after_pull = None
+        self._per_pass = None
         self._quiet_eval = False
         self._eval_kwargs = None
 
@@ -102,8 +103,8 @@ class ResumableBatches:
         if self.iteration == self.iters and not self._evaluates_in_longer_run(self.iteration):
             # The last iteration's evaluation drew, but a longer run would not have.
             now = self._after_pull
-        return {"iteration": self.iteration, "pass_state": _state_to_json(self._pass_state),
-                "state": _state_to_json(now)}
+        return {"iteration": self.iteration, "batches_per_pass": self._per_pass,
+                "pass_state": _state_to_json(self._pass_state), "state": _state_to_json(now)}
 
     def _evaluates_in_longer_run(self, it: int) -> bool:
         return it == 1 or it % self.steps_per_eval == 0
@@ -135,13 +136,10 @@ class ResumableBatches:
 
     def _training(self, kwargs, per_pass: int):
         batches = self.iterate(**kwargs)
-        pulled = self.start
+        self._per_pass = per_pass
         if self.start:
-            if self.start % per_pass:
-                np.random.set_state(self._pass_state)
-                for _ in range(self.start % per_pass):
-                    next(batches)
-            np.random.set_state(_state_from_json(self._position["state"]))
+            self._seek(batches, per_pass)
+        pulled = self.start
         while True:
             if self.iteration > self.start and self.on_step is not None:
                 self.on_step(self.iteration)
@@ -162,6 +160,19 @@ class ResumableBatches:
             self.iteration += 1
             self._match_evaluation_draws(self.iteration)
             yield batch
+
+    def _seek(self, batches, per_pass: int):
+        # Steps 1 and 2 of the module docstring.
+        if self._position["batches_per_pass"] != per_pass:
+            raise ValueError(
+                f"The training data has {per_pass} batches per pass, but the run was saved "
+                f"with {self._position['batches_per_pass']}; resume on the same data."
+            )
+        if self.start % per_pass:
+            np.random.set_state(self._pass_state)
+            for _ in range(self.start % per_pass):
+                next(batches)
+        np.random.set_state(_state_from_json(self._position["state"]))
 
     def _match_evaluation_draws(self, it: int):
         # Called between the pull of batch ``it`` and the evaluation before its step.
