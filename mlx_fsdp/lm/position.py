@@ -88,26 +88,21 @@ class ResumableBatches:
         self._quiet_eval = False
         self._eval_kwargs = None
 
-    def _evaluates(self, it: int) -> bool:
-        # Whether an uninterrupted run evaluates at iteration ``it`` (before its step).
-        return it == 1 or it % self.steps_per_eval == 0 or it == self.iters
-
-    def _trainer_evaluates(self, it: int) -> bool:
-        # Whether this ``train`` call, which counts from ``start + 1``, evaluates at ``it``.
-        local = it - self.start
-        return local == 1 or local % self.steps_per_eval == 0 or it == self.iters
+    def _evaluates(self, it: int, *, since: int = 0, end: Optional[int] = None) -> bool:
+        # Whether mlx-lm's trainer, called for the iterations after ``since`` up to
+        # ``end``, evaluates before the step of iteration ``it``: on its first
+        # iteration, every ``steps_per_eval`` of its own count, and on its last.
+        local = it - since
+        return local == 1 or local % self.steps_per_eval == 0 or it == end
 
     def position(self) -> dict:
         """The data position after the current iteration, as JSON-able data."""
         now = np.random.get_state()
-        if self.iteration == self.iters and not self._evaluates_in_longer_run(self.iteration):
+        if self.iteration == self.iters and not self._evaluates(self.iteration):
             # The last iteration's evaluation drew, but a longer run would not have.
             now = self._after_pull
         return {"iteration": self.iteration, "batches_per_pass": self._per_pass,
                 "pass_state": _state_to_json(self._pass_state), "state": _state_to_json(now)}
-
-    def _evaluates_in_longer_run(self, it: int) -> bool:
-        return it == 1 or it % self.steps_per_eval == 0
 
     def __call__(self, dataset, batch_size, max_seq_length, loop=False, seed=None,
                  comm_group=None):
@@ -176,8 +171,9 @@ class ResumableBatches:
 
     def _match_evaluation_draws(self, it: int):
         # Called between the pull of batch ``it`` and the evaluation before its step.
-        if self._evaluates(it) and not self._trainer_evaluates(it):
-            if self._eval_kwargs is not None:
-                next(self.iterate(**self._eval_kwargs), None)
-        elif self._trainer_evaluates(it) and not self._evaluates(it):
+        whole_run = self._evaluates(it, end=self.iters)
+        this_call = self._evaluates(it, since=self.start, end=self.iters)
+        if whole_run and not this_call and self._eval_kwargs is not None:
+            next(self.iterate(**self._eval_kwargs), None)
+        elif this_call and not whole_run:
             self._quiet_eval = True
