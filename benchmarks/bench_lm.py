@@ -13,8 +13,9 @@ on every rank, same seed), the same batches and AdamW:
 
 Step time: the trainer's own per-iteration time (its ``iterations_per_second``
 report with ``steps_per_report=1``: the compiled step and ``mx.eval``, not
-batch making or reporting), median over ``--steps`` iterations after
-``--warmup`` untimed ones, max over ranks. The modes take turns in ABBA order
+batch making or reporting), median (and minimum, which a neighbour's load
+disturbs least) over ``--steps`` iterations after ``--warmup`` untimed ones,
+max over ranks. The modes take turns in ABBA order
 (``ddp fsdp fsdp ddp ...``, ``--rounds`` times each), each turn a fresh model
 and ``train`` call, so a neighbour's load hits all of them alike. Peak memory
 (``mx.get_peak_memory``, reset before each turn, max over ranks) counts
@@ -160,17 +161,21 @@ def main(argv=None):
                         "trainable_parameters": trainable}
     for mode in modes:
         seconds = [s for r in results[mode] for s in r["seconds"]]
-        step_ms, peak, state = _max_over_ranks(world, [
-            1000 * statistics.median(seconds), max(r["peak"] for r in results[mode]),
-            results[mode][0]["state"]])
+        step_ms, min_ms, peak, state = _max_over_ranks(world, [
+            1000 * statistics.median(seconds), 1000 * min(seconds),
+            max(r["peak"] for r in results[mode]), results[mode][0]["state"]])
         losses = results[mode][0]["losses"]
         diff = max(abs(a - b) for a, b in zip(losses, results[modes[0]][0]["losses"]))
-        record["modes"][mode] = {"step_ms": step_ms, "peak_bytes": peak, "state_bytes": state,
+        turns = [1000 * statistics.median(r["seconds"]) for r in results[mode]]
+        record["modes"][mode] = {"step_ms": step_ms, "min_step_ms": min_ms,
+                                 "peak_bytes": peak, "state_bytes": state,
+                                 "rank_turn_median_ms": turns,
                                  "losses": losses, "max_loss_diff_vs_first": diff}
     base = record["modes"][modes[0]]
     for mode in modes:
         r = record["modes"][mode]
         rows.append(f"| {mode} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.3f} | "
+                    f"{r['min_step_ms']:.1f} | {r['min_step_ms'] / base['min_step_ms']:.3f} | "
                     f"{r['peak_bytes'] / 2**20:.1f} | {r['peak_bytes'] / base['peak_bytes']:.3f} | "
                     f"{r['state_bytes'] / 2**20:.2f} | {r['state_bytes'] / base['state_bytes']:.3f} | "
                     f"{r['max_loss_diff_vs_first']:.1e} |")
@@ -178,9 +183,10 @@ def main(argv=None):
               f"{args.fine_tune_type}), AdamW, N={world.size()}, global batch {args.batch_size}, "
               f"{len(results[modes[0]])} x {args.steps} timed steps per mode")
     table = "\n".join([
-        f"| mode | median step ms | time vs {modes[0]} | peak MiB | peak vs {modes[0]} | "
+        f"| mode | median step ms | time vs {modes[0]} | min step ms | min vs {modes[0]} | "
+        f"peak MiB | peak vs {modes[0]} | "
         f"optimizer state MiB/rank | state vs {modes[0]} | max loss diff vs {modes[0]} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
     if world.rank() == 0:
         publish(header, table, args.markdown, args.json, record)
 
