@@ -421,3 +421,16 @@ def test_cli_flags_and_yaml(tmp_path):
     assert parse_size("32M") == parse_size("32MiB") == 32 * 1024**2 and parse_size(7) == 7
     with pytest.raises(Exception, match="not a byte count"):
         parse_size("lots")
+
+
+def test_bench_lm_writes_its_table_and_json(tmp_path):
+    """benchmarks/bench_lm.py in one process on a tiny Llama: every mode, equal losses."""
+    md, js = tmp_path / "lm.md", tmp_path / "lm.json"
+    out = run_script(1, "benchmarks/bench_lm.py",
+                     ["--hidden", "32", "--layers", "1", "--steps", "2", "--warmup", "1",
+                      "--markdown", md, "--json", js], timeout=300)
+    assert "| fsdp-double |" in out and "| fsdp-double |" in md.read_text()
+    record = json.loads(js.read_text())
+    assert set(record["modes"]) == {"ddp", "fsdp", "fsdp-double"}
+    for mode in record["modes"].values():
+        assert mode["max_loss_diff_vs_first"] == 0.0 and mode["step_ms"] > 0
