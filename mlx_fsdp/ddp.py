@@ -3,10 +3,12 @@
 from typing import Optional
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
-from . import _trees
-from .plain import plain_step
+from . import master
+from ._trees import match
+from .options import make_options
+from .plain import replicated_step
 from .wrapper import DistributedOptimizer
 
 
@@ -20,45 +22,16 @@ class ReplicatedOptimizer(DistributedOptimizer):
     full master copy of every parameter of another dtype.
     """
 
-    def __init__(
-        self,
-        optimizer,
-        *,
-        group=None,
-        communication_size: int = 32 * 1024**2,
-        max_norm: Optional[float] = None,
-        communication_stream: Optional[mx.Stream] = None,
-        master_dtype: Optional[mx.Dtype] = None,
-        reduce_dtype: Optional[mx.Dtype] = None,
-        grad_accumulation_steps: int = 1,
-    ):
-        super().__init__(
-            optimizer, group, max_norm, communication_size=communication_size,
-            communication_stream=communication_stream, master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
-        )
-
     def _step(self, gradients, parameters):
-        gradients = nn.average_gradients(
-            gradients, self.group, self.communication_size, self.communication_stream
-        )
-        new, norm = plain_step(
-            gradients,
-            parameters,
-            self.optimizer,
-            max_norm=self.max_norm,
-            masters=self._masters(),
-            master_dtype=self.master_dtype,
-        )
-        self._set_grad_norm(norm)
-        return new
+        return replicated_step(self.options, self.optimizer, self._state, gradients, parameters,
+                               dog=self._dog)
 
     def init(self, parameters):
         """Initialize the full optimizer state (as the wrapped optimizer does)."""
-        flat, flat_params = _trees.match(parameters, parameters)
-        self.optimizer.init(
-            _trees.like(parameters, self._initial_masters([k for k, _ in flat], flat_params))
-        )
+        flat, params = match(parameters, parameters)
+        paths = [p for p, _ in flat]
+        steps = master.initial(paths, params, self._state["master"], self.options.master_dtype)
+        self.optimizer.init(tree_unflatten(list(zip(paths, steps))))
 
 
 def ddp_step(
@@ -71,8 +44,12 @@ def ddp_step(
     master_dtype: Optional[mx.Dtype] = None,
     reduce_dtype: Optional[mx.Dtype] = None,
     grad_accumulation_steps: int = 1,
+    timeout: Optional[float] = None,
 ) -> ReplicatedOptimizer:
     """Wrap an optimizer for plain data parallelism (the baseline of ``fsdp_step``).
+
+    Every step checks across ranks, like ``fsdp_step``, that all ranks take
+    the same step with the same gradient tree and settings.
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer.
@@ -81,7 +58,7 @@ def ddp_step(
         communication_size (int): Bucket size of the all-reduce in bytes.
             Default: ``32 MiB``.
         max_norm (float, optional): Clip the averaged gradients to this global
-            norm; the norm before clipping is then in ``opt.grad_norm``.
+            norm (> 0); the norm before clipping is then in ``opt.grad_norm``.
             Default: ``None``.
         communication_stream (mlx.core.Stream, optional): Stream for the
             all-reduce. Default: ``None``.
@@ -92,18 +69,16 @@ def ddp_step(
             Default: ``None`` (their own dtype).
         grad_accumulation_steps (int): Average the gradients of this many
             calls of ``update`` (micro-batches) and step on the last one; they
-            are summed locally and communicated once. Default: ``1``.
+            are summed locally and communicated once (inside ``mx.compile``,
+            every micro-batch). Default: ``1``.
+        timeout (float, optional): Watchdog timeout in seconds, as in
+            :func:`mlx_fsdp.fsdp_step`. Default: ``None``.
 
     Returns:
         ReplicatedOptimizer: The wrapper.
     """
-    return ReplicatedOptimizer(
-        optimizer,
-        group=group,
-        communication_size=communication_size,
-        max_norm=max_norm,
-        communication_stream=communication_stream,
-        master_dtype=master_dtype,
-        reduce_dtype=reduce_dtype,
-        grad_accumulation_steps=grad_accumulation_steps,
-    )
+    return ReplicatedOptimizer(optimizer, make_options(
+        optimizer, sharded=False, group=group, communication_size=communication_size,
+        max_norm=max_norm, communication_stream=communication_stream,
+        master_dtype=master_dtype, reduce_dtype=reduce_dtype,
+        grad_accumulation_steps=grad_accumulation_steps, timeout=timeout))

@@ -17,17 +17,6 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 
-def check_dtype(name: str, dtype) -> None:
-    """Raise a clear error unless ``dtype`` is ``None`` or a floating dtype."""
-    if dtype is None:
-        return
-    if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
-        raise ValueError(
-            f"{name}={dtype!r} must be a floating mlx dtype such as mx.float32 "
-            "(or None to keep the gradients' or parameters' own dtype)."
-        )
-
-
 def has_master(param_dtype: mx.Dtype, master_dtype: Optional[mx.Dtype]) -> bool:
     """Whether a parameter of ``param_dtype`` is stepped through a master copy."""
     return master_dtype is not None and param_dtype != master_dtype

@@ -14,8 +14,9 @@ that is exact for any per-array update, and a warning once per class.
 """
 
 import warnings
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
+import mlx.core as mx
 import mlx.optimizers as optim
 
 FLAT = "flat"
@@ -156,4 +157,40 @@ def placements(rules: Sequence[Rule], flat_grads, optimizer_of: Sequence[int]) -
                 f"'{path}'; it must return 'flat' or 'owner'."
             )
         out.append(p)
+    return out
+
+
+def sub_optimizers(optimizer) -> list:
+    """The optimizers that update buckets: a ``MultiOptimizer``'s parts, or itself."""
+    if isinstance(optimizer, optim.MultiOptimizer):
+        return list(optimizer.optimizers)
+    return [optimizer]
+
+
+def assign_optimizers(flat_grads, optimizer) -> List[int]:
+    """Which sub-optimizer updates each array.
+
+    ``MultiOptimizer`` filters are called with the full path and the full
+    gradient, exactly as ``MultiOptimizer`` itself calls them, never with a
+    shard. A filter must decide from the path and the shape: its answer fixes
+    the sharding plan, so an answer computed from the gradient's values (an
+    ``mx.array``) is refused.
+    """
+    if not isinstance(optimizer, optim.MultiOptimizer):
+        return [0] * len(flat_grads)
+    out = []
+    for path, g in flat_grads:
+        for i, fn in enumerate(optimizer.filters):
+            chosen = fn(path, g)
+            if isinstance(chosen, mx.array):
+                raise ValueError(
+                    f"MultiOptimizer filter {i} returned an mx.array for '{path}', "
+                    "so it depends on the gradient's values. The sharded step "
+                    "fixes which sub-optimizer (and which rank) updates each array "
+                    "once; decide from the path and the shape, e.g. "
+                    "lambda path, g: g.ndim >= 2 and 'embed' not in path."
+                )
+            if chosen:  # MLX appends a filter that accepts everything
+                out.append(i)
+                break
     return out

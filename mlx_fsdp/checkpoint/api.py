@@ -10,17 +10,16 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..plan import dtype_name
-from ..sharded import assign_optimizers, sub_optimizers
-from ..wrapper import group_or_global
+from ..options import group_or_global
+from ..placement import assign_optimizers, sub_optimizers
 from . import atomic
 from .layout import (
     arrays_to_save,
-    cut,
     describe_state,
     is_sharded,
     one_shard_plan,
-    owner,
     rebuild,
+    shard_state,
     split_optimizer,
 )
 from .manifest import (
@@ -72,7 +71,7 @@ def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metad
 
     headers = [read_header(os.path.join(tmp, shard_file(r, plan.world_size)))
                for r in range(plan.world_size)]
-    states, master = describe_state(plan, optimizer, headers)
+    states, master = describe_state(plan, optimizer, headers, sharded)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -266,23 +265,10 @@ def _load_sharded(wrapper, optimizer, model, states, scalars, master):
         _replace_state(sub, dict(scalars[k]))
     _reset_wrapper(wrapper)
     wrapper.init(model.trainable_parameters())
-    plan, rank = wrapper.plan, wrapper.group.rank()
-    pieces = {}
-    for bucket in plan.buckets:
-        shards = subs[bucket.optimizer].state["shards"]
-        for slot in bucket.slots:
-            o = owner(slot)
-            entries = states[bucket.optimizer].get(slot.path)
-            if entries and o is None:
-                shards[slot.path] = {n: cut(slot, a, rank, f"The entry '{n}'")
-                                     for n, a in entries.items()}
-            elif entries and o == rank:
-                shards[slot.path] = dict(entries)
-            if slot.path in master and o is None:
-                pieces[slot.path] = cut(slot, master[slot.path], rank, "The master copy")
-            elif slot.path in master and o == rank:
-                pieces[slot.path] = master[slot.path]
-    return pieces
+    trees, masters = shard_state(wrapper.plan, wrapper.group.rank(), states, master)
+    for sub, tree in zip(subs, trees):
+        sub.state.update(tree)
+    return masters
 
 
 def load_checkpoint(path: str, model, opt) -> dict:

@@ -10,8 +10,10 @@ A checkpoint is a directory::
 Keys inside the optimizer files (``k`` is the sub-optimizer index, 0 unless
 the optimizer is a ``MultiOptimizer``):
 
-* ``state/{k}/{path}/{name}``: the entry ``name`` (e.g. ``m``) of the state
-  of the parameter at ``path``: this shard's flat piece, or the whole entry;
+* ``state/{k}/{path}/{name}``: what this shard holds of the entry ``name``
+  (e.g. ``m``) of the state of the parameter at ``path``: its 1-D piece of a
+  flat bucket (see :mod:`mlx_fsdp.layout`), or the whole entry (owned
+  arrays, plain layouts);
 * ``scalars/{k}/{name}``: sub-optimizer ``k``'s top-level state (``step``,
   ``learning_rate``);
 * ``master/{path}``: the fp32 master copy of the parameter, laid out like
@@ -29,28 +31,29 @@ import struct
 import mlx.optimizers as optim
 
 FORMAT = "mlx_fsdp-checkpoint"
-#: Version 2 adds each flat entry's element ``order``. Version 1 manifests
-#: (row order throughout) are still read; a version-1 reader refuses version 2.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: Version 3 stores what each rank holds of an array in a flat bucket (entries
+#: of kind "pieces": no per-array padding). Version 2 split every array over
+#: every rank, zero-padded, and added each flat entry's element ``order``;
+#: version 1 had row order throughout. All three are read; older readers
+#: refuse newer versions.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 
 # How a reader rebuilds each entry, written into every manifest so that the
 # format explains itself.
 LAYOUT_NOTE = (
-    "For each parameter of plan.buckets[*].slots and each entry name listed under "
-    "optimizers[k].parameters[path].entries: kind 'flat' means the entry has the "
-    "parameter's shape and was split into plan.world_size pieces of `cols` elements "
-    "(the flattened array, zero-padded to world_size * cols); piece r is key "
-    "'state/{k}/{path}/{name}' in shard file r; concatenate the pieces in rank "
-    "order, keep the first `size` elements and reshape to `shape`, except that an "
-    "entry with order 'F' lists the elements column by column: reshape to the "
-    "reversed shape and transpose. Kind 'whole' "
-    "means the entry is stored whole, with its own shape, in the file of shard "
-    "`source`. Top-level optimizer state is 'scalars/{k}/{name}' in shard file 0; "
-    "fp32 master weights (if listed under 'master') are 'master/{path}', laid out "
-    "like the entries. Model weights are in model.safetensors, keyed by path."
+    "For each parameter listed under optimizers[k].parameters[path] and each entry name "
+    "under its entries: kind 'pieces' means the entry is split over the shard files of "
+    "the ranks listed in `ranks`: concatenate key 'state/{k}/{path}/{name}' of those "
+    "files in that order (`size` elements) and reshape to `shape`, except that order 'F' "
+    "lists the elements column by column: reshape to the reversed shape and transpose. "
+    "Kind 'whole' means the entry is stored whole, with its own shape, under that key "
+    "in the file of shard `source`. Top-level optimizer state is 'scalars/{k}/{name}' "
+    "in shard file 0; fp32 master weights (if listed under 'master') are "
+    "'master/{path}', laid out like the entries. Model weights are in "
+    "model.safetensors, keyed by path."
 )
 
 
