@@ -263,7 +263,37 @@ def test_bench_step_sweep_two_ranks(tmp_path):
         assert r["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.01)
     table = open(tmp_path / "s.md").read()
     assert table.count("\n| ") == 8 + 1 and "state FSDP/DDP" in table  # header + 8 rows
-    assert "| bfloat16 | 1 KiB |" in out
+    assert "| cpu | MLP 2x48, batch 32 | 4.7k | bfloat16 | 1 KiB |" in out
+
+
+def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
+    out = run_script(2, "benchmarks/bench_step.py",
+                     ["--model", "gpt", "--dims", 16, "--heads", 2, "--layers", 1, "--seq-len", 8,
+                      "--batch", 2, "--steps", 2, "--warmup", 1, "--communication-size", "32MiB",
+                      "--dtype", "float32", "--cpu", "--json", tmp_path / "g.json"])
+    with open(tmp_path / "g.json") as f:
+        res = json.load(f)
+    assert res["world_size"] == 2 and res["device"].startswith("cpu")
+    (row,) = res["results"]
+    params = lm.num_params(lm.ByteGPT(16, 1, 2, 8))  # the example's GPT, not a stand-in
+    assert (row["model"], row["dims"], row["heads"], row["seq_len"], row["batch"]) == ("gpt", 16, 2, 8, 2)
+    assert row["device"] == "cpu" and row["num_params"] == params
+    for mode in ("ddp", "fsdp"):
+        r = row[mode]
+        assert r["step_ms_median"] > 0 and r["peak_mb"] > 0 and r["state_mb"] > 0
+        # opt.update's hold is part of the step it was timed in.
+        assert 0 < r["update_ms_median"] <= r["step_ms_median"]
+        assert len(r["rank0_update_ms"]) == len(r["rank0_step_ms"]) == 2
+        assert all(0 < u <= t for u, t in zip(r["rank0_update_ms"], r["rank0_step_ms"]))
+    assert row["ratios"]["update"] > 0
+    assert row["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.02)
+    header, _, rows = out.partition("| device | model |")
+    assert "device cpu" in header and "DDP update ms | FSDP update ms" in rows
+    assert re.search(r"^\| cpu \| GPT 1x16, 2 heads, batch 2x8 \| [\d.]+k \| float32 \| 32 MiB \|"
+                     r"( [\d.]+ \|){11}$", rows, re.M), out
+    # Rank 0 shows its progress (steps and steps/s) on stderr, merged here.
+    # 2 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening) steps.
+    assert re.search(r"\[1/1\] GPT 1x16.*: 14/14 steps, [\d.]+ steps/s", out), out
 
 
 def test_bench_collectives_two_ranks(tmp_path):
