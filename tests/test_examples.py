@@ -2,7 +2,10 @@
 
 The launches are real (ring at N=2, MPI at N=4, one plain process); the
 checks are on what the scripts print and write: a loss that does not depend
-on the number of ranks, FSDP losses equal to DDP's, valid JSON, markdown and
+on the number of ranks, FSDP losses equal to DDP's, a learning-rate schedule
+that ends at its floor, Muon's two rates, checkpoint paths and the warning on
+resuming with another schedule, the comparison's noise floor, the benchmark's
+GPT rows and update-hold columns, progress lines, valid JSON, markdown and
 PNG files.
 """
 
