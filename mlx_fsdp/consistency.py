@@ -19,6 +19,7 @@ import hashlib
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 import mlx.optimizers as optim
 
 from . import control
@@ -31,7 +32,7 @@ def _hyperparameters(optimizer) -> str:
     # Public attributes with plain values (betas, eps, weight_decay...), the
     # way the optimizer's own __init__ stored them.
     fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(optimizer).items())
-                       if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple)))
+                       if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple, list)))
     return f"{type(optimizer).__name__}({fields})"
 
 
@@ -48,7 +49,8 @@ def learning_rates(optimizer) -> str:
     for sub in sub_optimizers(optimizer):
         schedule = getattr(sub, "_schedulers", {}).get("learning_rate")
         lr = schedule(sub.step) if schedule is not None else sub.state.get("learning_rate")
-        rates.append(repr(mx.array(lr).astype(mx.float32).item()) if lr is not None else "none")
+        # numpy's float32 text is the shortest that reads back as the same float32.
+        rates.append(str(np.float32(mx.array(lr).astype(mx.float32).item())) if lr is not None else "none")
     return ",".join(rates)
 
 

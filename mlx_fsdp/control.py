@@ -96,6 +96,17 @@ def _text(values: Sequence[Value], group, stream) -> List[List[str]]:
     return out
 
 
+def _raise_together(error: Exception, group, stream):
+    # A rank that raises exits, and closing its connections can cut a slower
+    # peer's last gather short; one more tiny gather makes sure every rank
+    # has what it needs for the same message before any of them raises.
+    try:
+        _gather([0], group, stream)
+    except PeerLost:
+        pass
+    raise error
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -148,7 +159,7 @@ def agree(
             "crashed, or skipped the call."
         ) from e
     strangers = [r for r, row in enumerate(rows) if row[0] != MAGIC]
-    if strangers:
+    if strangers:  # they may be in a collective of another size: no barrier
         raise RankMismatch(
             f"In {operation}, {_ranks(strangers)} sent data that is not an mlx_fsdp control "
             "message: those ranks are running another collective (for example the step of an "
@@ -162,22 +173,25 @@ def agree(
             f"{OPERATIONS[code] if 0 <= code < len(OPERATIONS) else '?'}"
             for code in sorted(set(ops))
         )
-        raise RankMismatch(
+        _raise_together(RankMismatch(
             f"The ranks are at different synchronization points: {where}. Every rank must "
             f"call {' and '.join(sorted({OPERATIONS[c] for c in set(ops) if 0 <= c < len(OPERATIONS)}))} "
             "at the same point (for example save_checkpoint on every rank, not only on rank 0)."
-        )
+        ), group, stream)
     differ = [i for i in range(len(names)) if len({row[2 + i] for row in rows}) > 1]
     if not differ:
         return
-    texts = _text([values[i] for i in differ], group, stream)
+    try:
+        texts = _text([values[i] for i in differ], group, stream)
+    except PeerLost:  # a peer already left: name the settings without their values
+        texts = [["(differs)"] * len(differ) for _ in rows]
     parts = []
     for j, i in enumerate(differ):
         by_value: Dict[str, List[int]] = {}
         for r, t in enumerate(texts):
             by_value.setdefault(t[j], []).append(r)
         parts.append(f"{names[i]}: " + ", ".join(f"{_ranks(rs)} {v}" for v, rs in by_value.items()))
-    raise RankMismatch(
+    _raise_together(RankMismatch(
         f"The ranks disagree in {operation}: " + "; ".join(parts) + ". Every rank must use the "
         "same settings and the same state." + (f" {hint}" if hint else "")
-    )
+    ), group, stream)

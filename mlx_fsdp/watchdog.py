@@ -8,6 +8,9 @@ about to wait (``waiting``) and when the wait ended (``done``); if one wait
 lasts longer than ``timeout`` seconds it prints which rank waited where, and
 where the main thread is blocked, then ends the process with exit code
 :data:`EXIT_CODE`, so that ``mlx.launch`` or ``mpirun`` stop the whole job.
+Before it exits it sends SIGCONT to its own process group, where
+``mlx.launch`` keeps its local ranks: a stopped rank ignores the launcher's
+SIGTERM until it is continued.
 
 A sharded step's collectives run when the caller evaluates the step (its
 ``mx.eval``), after ``update`` has returned, so the library does not see
@@ -24,6 +27,7 @@ the main thread is blocked in a collective.
 """
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -112,7 +116,19 @@ class Watchdog:
             "stops the job.\n"
         )
         sys.stderr.flush()
+        _continue_local_peers()
         self._exit(EXIT_CODE)
+
+
+def _continue_local_peers():
+    # A launcher stops a job with SIGTERM, which a stopped process (SIGSTOP,
+    # Ctrl-Z) only receives once continued: mlx.launch would then wait for it
+    # forever. Local ranks share this process's group; SIGCONT changes nothing
+    # for the ones that run and lets the stopped ones be stopped.
+    try:
+        os.killpg(os.getpgrp(), signal.SIGCONT)
+    except (AttributeError, OSError):
+        pass
 
 
 _instances = {}
