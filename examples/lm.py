@@ -256,6 +256,9 @@ def add_training_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("distributed")
     g.add_argument("--communication-size", type=parse_size, default=32 * 1024**2,
                    help="bucket size, e.g. 32MiB or 1048576 (default 32MiB)")
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="a rank that waits this many seconds in a collective prints where and "
+                   "exits with code 124, so the launcher stops the job; 0 disables (default 300)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--log-every", type=int, default=10,
                    help="rank 0 prints a progress line every this many steps (default 10)")
@@ -276,8 +279,8 @@ def check_args(p: argparse.ArgumentParser, args):
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
     if args.dims % args.heads:
         p.error(f"--dims={args.dims} must divide by --heads={args.heads}.")
-    if args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0:
-        p.error("--max-norm, --warmup-steps and --save-every must be >= 0.")
+    if args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0 or args.timeout < 0:
+        p.error("--max-norm, --warmup-steps, --save-every and --timeout must be >= 0.")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LR[args.optimizer]
 
@@ -382,7 +385,8 @@ def distributed_optimizer(mode: str, args, group):
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
     kwargs = {"group": group, "communication_size": args.communication_size,
-              "max_norm": args.max_norm if args.max_norm > 0 else None}
+              "max_norm": args.max_norm if args.max_norm > 0 else None,
+              "timeout": args.timeout if args.timeout > 0 else None}
     if args.grad_accumulation_steps > 1:
         kwargs["grad_accumulation_steps"] = args.grad_accumulation_steps
         if mode == "fsdp":
