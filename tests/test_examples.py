@@ -237,7 +237,9 @@ def test_compare_without_matplotlib_still_writes_json(tmp_path, monkeypatch):
     blocker = tmp_path / "block"
     blocker.mkdir()
     (blocker / "matplotlib.py").write_text("raise ImportError('blocked for the test')\n")
-    monkeypatch.setenv("PYTHONPATH", str(blocker))  # run_script keeps it after the repo root
+    # Prepended, not replacing: MLX itself may come from PYTHONPATH (pip --target installs).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p))
     out = run_script(1, "examples/compare_ddp_fsdp.py",
                      ["--steps", 2, "--out", tmp_path / "o", *TINY])
     assert "no plot: matplotlib is not installed" in out and "'.[plot]'" in out

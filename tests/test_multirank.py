@@ -58,6 +58,17 @@ def test_parity_mpi_fp32_against_plain_mlx(n):
     _check(run_ranks(n, "parity.py", [4, *_configs(0)]))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_native_sum_scatter_path_through_an_emulated_sum_scatter(n):
+    # NCCL and JACCL reduce-scatter the packed bucket vector with sum_scatter.
+    # Ring and MPI lack it, so here it is emulated (all_sum, keep this rank's
+    # part) and forced, and the whole step must still equal DDP and plain MLX.
+    env = {"MLX_FSDP_TEST_EMULATE_SUM_SCATTER": "1", "MLX_FSDP_REDUCE_SCATTER": "native"}
+    results = run_ranks(n, "parity.py", [3, *_configs(0)], env=env)
+    assert all(r["method"] == "native" for r in results), results
+    _check(results)
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_parity_mpi_bf16_part_against_ddp(n):
     # The reference sums bfloat16 gradients in another order than MPI's
@@ -107,7 +118,9 @@ def test_compiled_step_equals_eager():
     assert [r["config"] for r in results] == ["adamw:400", "multi:0"]
     for r in results:
         assert r["steps"] == 5
-        assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 1e-6, r
+        # norm_err is relative; a compiled graph may sum the squares in another
+        # order (float32: about n * 2**-24 for the 706 elements).
+        assert r["max_diff"] <= F32_TOL and r["norm_err"] <= 706 * 2.0**-24, r
 
 
 @pytest.mark.parametrize("kind", ["extra_array", "shape"])

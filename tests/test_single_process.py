@@ -14,6 +14,11 @@ from mlx_fsdp.plan import build_plan
 from workers.common import batch, loss_fn, make_model
 
 
+#: The model's 706 elements times float32's unit roundoff: how far two orders
+#: of summing their squares may differ, relatively.
+NORM_RTOL = 706 * 2.0**-24
+
+
 def _same(a, b):
     return all(mx.array_equal(x, y) for (_, x), (_, y) in zip(tree_flatten(a), tree_flatten(b)))
 
@@ -74,7 +79,9 @@ def test_compile_with_state_inputs_and_outputs():
         _, g = nn.value_and_grad(ref_model, loss_fn)(ref_model, *batch(i, 0))
         ref.update(ref_model, g)
         mx.eval(state, ref_model.parameters(), ref.state)
-        assert mx.allclose(opt.grad_norm, ref.grad_norm)
+        # A compiled graph may fuse the sum of squares and add in another order:
+        # float32 sums of n terms agree to about n * 2**-24 relative.
+        assert mx.allclose(opt.grad_norm, ref.grad_norm, rtol=NORM_RTOL, atol=0)
     for (_, a), (_, b) in zip(tree_flatten(model.parameters()), tree_flatten(ref_model.parameters())):
         assert mx.allclose(a, b, atol=1e-6)
 

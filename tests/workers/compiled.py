@@ -35,7 +35,7 @@ def run(group, name, comm):
         loss = train_step(x, y)
         mx.eval(loss, state, eager_model.parameters(), eager.state)
         worst = max(worst, max_diff(comp_model.parameters(), eager_model.parameters()))
-        norm_err = max(norm_err, abs(comp.grad_norm.item() - eager.grad_norm.item()))
+        norm_err = max(norm_err, abs(comp.grad_norm.item() / eager.grad_norm.item() - 1))
     report(group, config=f"{name}:{comm}", n=group.size(), max_diff=worst,
            norm_err=norm_err, steps=comp.step.item())
 
