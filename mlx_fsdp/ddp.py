@@ -1,8 +1,5 @@
 """``ddp_step``: the data-parallel baseline with the same interface as ``fsdp_step``."""
 
-from typing import Optional
-
-import mlx.core as mx
 from mlx.utils import tree_unflatten
 
 from . import master
@@ -34,51 +31,30 @@ class ReplicatedOptimizer(DistributedOptimizer):
         self.optimizer.init(tree_unflatten(list(zip(paths, steps))))
 
 
-def ddp_step(
-    optimizer,
-    *,
-    group: Optional[mx.distributed.Group] = None,
-    communication_size: int = 32 * 1024**2,
-    max_norm: Optional[float] = None,
-    communication_stream: Optional[mx.Stream] = None,
-    master_dtype: Optional[mx.Dtype] = None,
-    reduce_dtype: Optional[mx.Dtype] = None,
-    grad_accumulation_steps: int = 1,
-    timeout: Optional[float] = None,
-) -> ReplicatedOptimizer:
+def ddp_step(optimizer, **options) -> ReplicatedOptimizer:
     """Wrap an optimizer for plain data parallelism (the baseline of ``fsdp_step``).
 
-    Every step checks across ranks, like ``fsdp_step``, that all ranks take
-    the same step with the same gradient tree and settings.
+    Gradients are averaged with :func:`mlx.nn.average_gradients`, clipped by
+    their global norm and given to the plain optimizer, whole, on every
+    rank. Like ``fsdp_step``, every step first checks across ranks that all
+    ranks take the same step with the same gradient tree and settings.
+
+    .. code-block:: python
+
+        opt = mlx_fsdp.ddp_step(optim.AdamW(learning_rate=3e-4), max_norm=1.0)
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer.
-        group (mlx.core.distributed.Group, optional): The data-parallel group;
-            ``None`` means the global group. Default: ``None``.
-        communication_size (int): Bucket size of the all-reduce in bytes.
-            Default: ``32 MiB``.
-        max_norm (float, optional): Clip the averaged gradients to this global
-            norm (> 0); the norm before clipping is then in ``opt.grad_norm``.
-            Default: ``None``.
-        communication_stream (mlx.core.Stream, optional): Stream for the
-            all-reduce. Default: ``None``.
-        master_dtype (Dtype, optional): Keep a full master copy of every
-            parameter of another dtype (e.g. float32 masters of a bfloat16
-            model) on every rank and run the optimizer on it. Default: ``None``.
-        reduce_dtype (Dtype, optional): All-reduce the gradients in this dtype.
-            Default: ``None`` (their own dtype).
-        grad_accumulation_steps (int): Average the gradients of this many
-            calls of ``update`` (micro-batches) and step on the last one; they
-            are summed locally and communicated once (inside ``mx.compile``,
-            every micro-batch). Default: ``1``.
-        timeout (float, optional): Watchdog timeout in seconds, as in
-            :func:`mlx_fsdp.fsdp_step`. Default: ``None``.
+        **options: The options of :func:`mlx_fsdp.fsdp_step` that data
+            parallelism has, with the same meanings and defaults: ``group``,
+            ``communication_size`` (the all-reduce's bucket size),
+            ``max_norm``, ``communication_stream``, ``master_dtype`` (a full
+            master copy of every parameter of another dtype, on every rank),
+            ``reduce_dtype``, ``grad_accumulation_steps`` (micro-batch
+            gradients summed locally and communicated once; inside
+            ``mx.compile``, every micro-batch) and ``timeout``.
 
     Returns:
         ReplicatedOptimizer: The wrapper.
     """
-    return ReplicatedOptimizer(optimizer, make_options(
-        optimizer, sharded=False, group=group, communication_size=communication_size,
-        max_norm=max_norm, communication_stream=communication_stream,
-        master_dtype=master_dtype, reduce_dtype=reduce_dtype,
-        grad_accumulation_steps=grad_accumulation_steps, timeout=timeout))
+    return ReplicatedOptimizer(optimizer, make_options(optimizer, sharded=False, **options))

@@ -18,6 +18,9 @@ from . import placement as _placement
 #: How gradients are accumulated over micro-batches.
 ACCUMULATION_MODES = ("local", "sharded")
 
+# What only the sharded step has.
+_SHARDED_ONLY = {"dp_group", "placement", "accumulation"}
+
 _global = []
 
 
@@ -108,8 +111,8 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
     Args:
         optimizer (mlx.optimizers.Optimizer): The optimizer to be wrapped.
         sharded (bool): ``True`` for ``fsdp_step`` (all options), ``False``
-            for ``ddp_step`` (no ``dp_group``, ``placement`` or sharded
-            accumulation).
+            for ``ddp_step`` (no ``dp_group``, ``placement`` or
+            ``accumulation``: it accumulates locally).
         **kwargs: The fields of :class:`Options`; ``group=None`` means the
             global group.
 
@@ -122,6 +125,13 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
             "an optimizer instance, e.g. optim.AdamW(learning_rate=3e-4)."
         )
     _check_learning_rates(optimizer)
+    allowed = set(Options.__dataclass_fields__) - (set() if sharded else _SHARDED_ONLY)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        only = [k for k in unknown if k in _SHARDED_ONLY]
+        name = "fsdp_step" if sharded else "ddp_step"
+        what = (f"{only}, which only fsdp_step has" if only else f"the unknown option(s) {unknown}")
+        raise ValueError(f"{name} got {what}; its options are {', '.join(sorted(allowed))}.")
     _check_group("group", kwargs.get("group"))
     _check_group("dp_group", kwargs.get("dp_group"))
     opts = Options(**{**kwargs, "group": group_or_global(kwargs.get("group"))})
@@ -146,17 +156,14 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
             f"grad_accumulation_steps={k!r} must be an int >= 1 (1 steps on every call "
             "of update)."
         )
-    modes = ACCUMULATION_MODES if sharded else ("local",)
-    if opts.accumulation not in modes:
+    if opts.accumulation not in ACCUMULATION_MODES:
         raise ValueError(
             f"accumulation={opts.accumulation!r} is not supported here; use one of "
-            f"{', '.join(map(repr, modes))}."
+            f"{', '.join(map(repr, ACCUMULATION_MODES))}."
         )
     _check_number("timeout", opts.timeout, allow_none=True, positive=True,
                   fix="it is the seconds a rank may wait in a collective before the "
                   "watchdog ends it; None turns the watchdog off.")
-    if not sharded and (opts.dp_group is not None or opts.placement is not None):
-        raise ValueError("dp_group and placement apply to fsdp_step only.")
     if sharded:
         _placement.resolve(optimizer, opts.placement)
         _check_tiling(opts)

@@ -174,6 +174,13 @@ def test_bad_arguments_are_refused_at_construction(kwargs, match):
         mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1), **kwargs)
 
 
+def test_ddp_refuses_what_only_fsdp_has_and_unknown_options():
+    with pytest.raises(ValueError, match=r"ddp_step got \['accumulation'\], which only fsdp_step has"):
+        mlx_fsdp.ddp_step(optim.SGD(learning_rate=0.1), accumulation="sharded")
+    with pytest.raises(ValueError, match=r"the unknown option\(s\) \['max_nrom'\]; its options are"):
+        mlx_fsdp.ddp_step(optim.SGD(learning_rate=0.1), max_nrom=1.0)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_norm": -1.0}, "max_norm=-1.0 must be a finite number > 0"),
     ({"communication_size": "32MiB"}, "communication_size='32MiB' must be an int"),

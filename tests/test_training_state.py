@@ -98,7 +98,7 @@ def test_bad_options_name_the_value(kwargs, needle):
 
 
 def test_ddp_has_no_sharded_accumulation():
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="only fsdp_step has"):
         mlx_fsdp.ddp_step(optim.SGD(learning_rate=0.1), accumulation="sharded")
 
 
