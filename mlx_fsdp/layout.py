@@ -171,17 +171,28 @@ def range_parts(bucket: Bucket, arrays: Sequence[mx.array], rank: int, dtype) ->
 def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
     """The bucket's arrays, in slot order, cut from its whole flat vector.
 
+    Views of the vector, so no copy, except where most of the vector is
+    padding: the views would keep it all alive for as long as the
+    parameters live. That happens in an owner bucket whose arrays are uneven
+    (one large array: ``N`` times its size), and there the arrays are copied
+    out so that the vector is freed.
+
     Args:
         bucket (Bucket): The bucket.
         vector (array): The vector (the all-gathered shards).
 
     Returns:
-        list[array]: Views of ``vector``, in the bucket's parameter dtype.
+        list[array]: The arrays, in the bucket's parameter dtype.
     """
     dtype = getattr(mx, bucket.param_dtype)
+    copy = 4 * bucket.padding(vector.size // bucket.cols) > vector.size
     out = []
     for s in bucket.slots:
         part = vector if (s.start, s.size) == (0, vector.size) else vector[s.start:s.stop]
         a = unflatten(s, part)
-        out.append(a if a.dtype == dtype else a.astype(dtype))
+        if a.dtype != dtype:
+            a = a.astype(dtype)
+        elif copy:
+            a = a * 1  # a new buffer (``mx.contiguous`` keeps a contiguous view); exact, -0.0 too
+        out.append(a)
     return out
