@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten, tree_map
 from launch import run_script
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes
 from mlx_fsdp.plan_memory.__main__ import byte_size, main
+from mlx_fsdp.plan_memory.estimate import shape_only
 
 ELEMENTWISE = ("adamw", "adam", "sgd", "lion")
 
@@ -74,6 +75,14 @@ def test_bad_sources_name_the_fix(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="lacks num_hidden_layers"):
         shapes.load(str(tmp_path))
+
+
+def test_quantized_layers_are_frozen_as_mlx_freezes_them():
+    model = nn.Sequential(nn.QuantizedLinear(64, 32, bias=True), nn.Linear(32, 8))
+    arrays = shapes.from_tree(model.parameters())
+    trainable, total = shape_only(arrays)
+    assert [p for p, _ in trainable] == [p for p, _ in tree_flatten(model.trainable_parameters())]
+    assert total == tree_bytes(model.parameters())
 
 
 def _small_model(dtype):

@@ -120,17 +120,15 @@ def main(argv=None) -> int:
     first = results[args.optimizer[0]][0].fullest
     count = model.num_parameters
     dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
-    out = []
-    out.append(
-        f"{model.name}: {count / 1e9:.3f}B parameters in {len(model.arrays)} arrays "
-        f"({gib(first.parameters)} GiB, {'/'.join(dtypes)}); masters "
-        f"{args.master_dtype}; buckets {args.communication_size / 1024**2:g} MiB; "
+    out = [
+        f"{model.name}: {count / 1e9:.3f}B parameters, {len(model.arrays)} arrays, "
+        f"{gib(first.parameters)} GiB ({'/'.join(dtypes)})",
+        f"masters {args.master_dtype}, buckets {args.communication_size / 1024**2:g} MiB, "
         f"accumulation {args.accumulation}"
-        + ("" if args.memory is None else
-           f"; memory {gib(args.memory)} GiB per rank")
-    )
-    out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step, "
-               "activations and the optimizer's arithmetic temporaries excluded")
+        + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
+        "GiB per rank (the fullest rank); peak = the sum: one optimizer step, without "
+        "activations and the optimizer's arithmetic temporaries",
+    ]
     for name in args.optimizer:
         out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
         out += verdicts(results[name], args.memory)

@@ -10,8 +10,8 @@ when it is initialized on those arrays (for FSDP, on this rank's pieces; see
 What is counted, per rank (all ranks hold the whole model in both modes):
 
 * **parameters** and **gradients** (the gradient tree the caller holds, in
-  the parameters' dtype; arrays of integer dtypes, e.g. quantized weights,
-  are frozen and get none);
+  the parameters' dtype; a quantized layer, one with an integer
+  ``weight``, is frozen whole and gets none, as MLX freezes it);
 * **accumulation**: with gradient accumulation, the running sum: the whole
   gradient (``"local"``) or this rank's reduced pieces (``"sharded"``,
   FSDP only);
@@ -68,9 +68,13 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
         tuple: ``(path, array)`` of every floating (trainable) array, and the
         bytes of the parameters, frozen ones included.
     """
+    # A quantized layer (nn.QuantizedLinear) keeps integer weights with
+    # floating scales, biases and bias next to them, and freezes them all.
+    quantized = {a.path.rpartition(".")[0] for a in model.arrays
+                 if a.path.endswith(".weight") and not _floating(a.dtype)}
     trainable, total = [], 0
     for a in model.arrays:
-        floating = _floating(a.dtype)
+        floating = _floating(a.dtype) and a.path.rpartition(".")[0] not in quantized
         dt = getattr(mx, dtype if (dtype and floating) else a.dtype)
         size = 1
         for d in a.shape:
