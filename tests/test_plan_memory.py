@@ -62,9 +62,13 @@ def test_model_directory_reads_shapes_as_mlx_loads_them(tmp_path):
     assert shapes.load(str(tmp_path / "model.safetensors")).arrays == model.arrays
 
 
-def test_config_only_directory_gives_the_llama_shapes(tmp_path):
+def test_config_only_directory_gives_the_llama_shapes(tmp_path, capsys):
     expected = _tiny_llama(tmp_path, with_weights=False)
     assert set(shapes.load(str(tmp_path)).arrays) == set(expected.arrays)
+    main([str(tmp_path), "--optimizer", "adamw", "--ranks", "2", "--json", "-"])
+    record = json.loads(capsys.readouterr().out)
+    assert record["model"]["parameters"] == expected.num_parameters
+    assert [r["mode"] for r in record["rows"]] == ["ddp", "fsdp"]
 
 
 def test_bad_sources_name_the_fix(tmp_path):
@@ -137,7 +141,7 @@ def test_cli_says_how_many_ranks_fsdp_needs(capsys, tmp_path):
     assert "In 64.00 GiB: DDP does not fit; FSDP fits from N=4" in text
     assert "N=8: DDP" in text and "opt state" in text
     record = json.loads(out.read_text())
-    assert record["fsdp_ranks_needed"]["adamw"][0] == 4
+    assert record["fsdp_ranks_needed"]["adamw"]["world_size"] == 4
     row = next(r for r in record["rows"] if r["mode"] == "fsdp" and r["world_size"] == 4)
     assert row["fits"] and len(row["optimizer_bytes_by_rank"]) == 4
 

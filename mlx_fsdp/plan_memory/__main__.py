@@ -97,32 +97,31 @@ def load_model(p, args) -> shapes.Model:
     return shapes.llama(**fields, tie=args.tie, dtype=args.dtype or "bfloat16")
 
 
-def main(argv=None) -> int:
-    p, args = parse_args(argv)
-    try:
-        model = load_model(p, args)
-        options = dict(dtype=args.dtype, communication_size=args.communication_size,
-                       accumulation=args.accumulation,
-                       master_dtype=None if args.master_dtype == "none" else args.master_dtype)
-        results = {}
+def plan(model: shapes.Model, args):
+    """Every configuration's rows, and the fewest FSDP ranks per optimizer (with ``--memory``)."""
+    options = dict(dtype=args.dtype, communication_size=args.communication_size,
+                   accumulation=args.accumulation,
+                   master_dtype=None if args.master_dtype == "none" else args.master_dtype)
+    results = {
+        name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
+               for mode in args.mode for n in sorted(set(args.ranks))]
+        for name in args.optimizer
+    }
+    needed = {}
+    if args.memory is not None and "fsdp" in args.mode:
         for name in args.optimizer:
-            results[name] = [
-                Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
-                for mode in args.mode for n in sorted(set(args.ranks))
-            ]
-        needed = {}
-        if args.memory is not None and "fsdp" in args.mode:
-            for name in args.optimizer:
-                needed[name] = fewest_ranks(model, name, args.memory, args.max_ranks, **options)
-    except ValueError as e:
-        p.error(str(e))
+            n, why = fewest_ranks(model, name, args.memory, args.max_ranks, **options)
+            needed[name] = {"world_size": n, "why": why}
+    return results, needed
 
+
+def render(model: shapes.Model, args, results, needed) -> str:
+    """The terminal report: a header, then a table and verdicts per optimizer."""
     first = results[args.optimizer[0]][0].fullest
-    count = model.num_parameters
     dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
     out = [
-        f"{model.name}: {count / 1e9:.3f}B parameters, {len(model.arrays)} arrays, "
-        f"{gib(first.parameters)} GiB ({'/'.join(dtypes)})",
+        f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
+        f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
         f"masters {args.master_dtype}, buckets {args.communication_size / 1024**2:g} MiB, "
         f"accumulation {args.accumulation}"
         + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
@@ -133,12 +132,23 @@ def main(argv=None) -> int:
         out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
         out += verdicts(results[name], args.memory)
         if name in needed:
-            out.append(_needed_line(results[name], needed[name], args))
+            out.append(_needed_line(results[name], needed[name], args.memory))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p, args = parse_args(argv)
+    try:
+        model = load_model(p, args)
+        results, needed = plan(model, args)
+    except ValueError as e:
+        p.error(str(e))
     if args.json != "-":
-        print("\n".join(out))
+        print(render(model, args, results, needed))
     if args.json:
         record = {
-            "model": {"name": model.name, "parameters": count, "arrays": len(model.arrays)},
+            "model": {"name": model.name, "parameters": model.num_parameters,
+                      "arrays": len(model.arrays)},
             "config": {k: v for k, v in vars(args).items() if k != "json"},
             "memory": args.memory,
             "rows": [r.to_dict(args.memory) for name in args.optimizer for r in results[name]],
@@ -152,10 +162,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _needed_line(rows, needed, args) -> str:
-    ddp = [str(r.world_size) for r in rows if r.mode == "ddp" and r.fits(args.memory)]
-    n, why = needed
-    line = f"In {gib(args.memory)} GiB: "
+def _needed_line(rows, needed: dict, memory: int) -> str:
+    ddp = [str(r.world_size) for r in rows if r.mode == "ddp" and r.fits(memory)]
+    n, why = needed["world_size"], needed["why"]
+    line = f"In {gib(memory)} GiB: "
     if any(r.mode == "ddp" for r in rows):
         line += f"DDP fits at N={','.join(ddp)}; " if ddp else "DDP does not fit; "
     return line + (f"FSDP fits from N={n}" if n is not None else f"FSDP does not fit: {why}")

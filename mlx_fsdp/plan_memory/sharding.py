@@ -65,8 +65,10 @@ def _fsdp_state(
         dict: ``"optimizer"``: the optimizer's state tree (as
         ``opt.state["optimizer"]`` after a step); ``"master"``: ``{path:
         master piece}``; ``"gradient"``: ``{path: this rank's reduced gradient
-        piece}`` (what sharded accumulation keeps); ``"buckets"``: one packed
-        ``(N, cols)`` array per bucket, as a reduce-scatter sends it.
+        piece}`` (what sharded accumulation keeps; the updated pieces, in the
+        parameters' dtype, are as large); ``"buckets"``: one packed ``(N,
+        cols)`` array per bucket, as the reduce-scatter sends it and the
+        all-gather returns it (the new parameters are views of the latter).
     """
     if world_size == 1:  # fsdp_step is the plain optimizer then
         return dict(plain_state(optimizer, flat_params, master_dtype),
