@@ -8,9 +8,9 @@ from mlx.utils import tree_unflatten
 from . import control, layout, master
 from ._trees import match
 from .options import make_options
-from .placement import sub_optimizers
+from .placement import plan_for, sub_optimizers
 from .plain import replicated_step
-from .plan import Plan, plan_for, single_process_plan
+from .plan import Plan, single_process_plan
 from .step import sharded_step
 from .wrapper import DistributedOptimizer
 
@@ -107,16 +107,31 @@ class ShardedOptimizer(DistributedOptimizer):
         control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
                       stream=self.options.communication_stream,
                       hint="Call init with the same parameters on every rank.")
-        rank = self.options.group.rank()
-        values = [a for _, a in floating]
-        for o, sub in enumerate(sub_optimizers(self.optimizer)):
-            held = [(s.path, a) for b in plan.buckets if b.optimizer == o
-                    for s, a in layout.held_of(b, values, rank)]
-            steps = master.initial([p for p, _ in held], [a for _, a in held],
-                                   self._state["master"], self.options.master_dtype)
-            sub.init({p: a for (p, _), a in zip(held, steps)})
+        init_held(plan, self.optimizer, [a for _, a in floating], self.options.group.rank(),
+                  self._state["master"], self.options.master_dtype)
         self._plan = None
         self._adopt(plan)
+
+
+def init_held(plan: Plan, optimizer, values, rank: int, masters: dict, master_dtype=None):
+    """Initialize ``optimizer`` (and ``masters``) on what ``rank`` holds under ``plan``.
+
+    Lazy, like any MLX ``init``: on unevaluated arrays it allocates nothing,
+    which is how :mod:`mlx_fsdp.plan_memory` sizes a rank's state.
+
+    Args:
+        plan (Plan): The plan.
+        optimizer (mlx.optimizers.Optimizer): The wrapped optimizer.
+        values (list[array]): The full parameters, indexed by ``Slot.index``.
+        rank (int): The rank.
+        masters (dict): Receives the masters of what the rank holds.
+        master_dtype (Dtype, optional): As for :func:`fsdp_step`. Default: ``None``.
+    """
+    for o, sub in enumerate(sub_optimizers(optimizer)):
+        held = [(s.path, a) for b in plan.buckets if b.optimizer == o
+                for s, a in layout.held_of(b, values, rank)]
+        steps = master.initial([p for p, _ in held], [a for _, a in held], masters, master_dtype)
+        sub.init({p: a for (p, _), a in zip(held, steps)})
 
 
 def held_shapes(plan: Plan, rank: int, optimizer_index: int) -> dict:

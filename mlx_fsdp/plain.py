@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from . import accumulate, clip, consistency, master
 from ._trees import like, match
-from .plan import signature_of
+from .placement import signature_of
 
 
 def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,

@@ -33,12 +33,15 @@ how an array happens to be stored.
 import functools
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from . import owners as _owners
-from . import placement as _placement
+
+#: Placements: 1/N of a bucket per rank, or whole arrays on owner ranks (see
+#: :mod:`mlx_fsdp.placement`).
+FLAT, OWNER = "flat", "owner"
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -252,7 +255,8 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
 
     Args:
         signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer,
-            placement)`` for every array, in tree order (see :func:`signature_of`).
+            placement)`` for every array, in tree order (see
+            :func:`mlx_fsdp.placement.signature_of`).
         world_size (int): Number of ranks to shard over.
         communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
             array in a bucket of its own.
@@ -265,7 +269,7 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
         raise ValueError(f"world_size={world_size!r} must be a positive integer.")
     groups = {}
     for index, (path, shape, dtype, param_dtype, optimizer, where) in enumerate(signature):
-        key = (optimizer, dtype, param_dtype, where == _placement.OWNER)
+        key = (optimizer, dtype, param_dtype, where == OWNER)
         groups.setdefault(key, []).append((index, path, tuple(shape)))
     # One balance over all owner-placed arrays: their updates run in the same step.
     owner = _owners.assign(
@@ -283,52 +287,6 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
             buckets.append(Bucket(len(buckets), dtype, param_dtype, optimizer, owned,
                                   tuple(slots), cols))
     return Plan(world_size, int(communication_size), tuple(buckets))
-
-
-def signature_of(flat_grads, flat_params, optimizer_of=None, placement_of=None) -> Signature:
-    """The hashable description of a flat gradient tree that a plan is built from.
-
-    Args:
-        flat_grads (list): ``(path, gradient)`` pairs from ``tree_flatten``.
-        flat_params (list): The matching parameters, in the same order.
-        optimizer_of (list[int], optional): Sub-optimizer index of each array.
-            Default: all ``0``.
-        placement_of (list[str], optional): ``"flat"`` or ``"owner"`` for each
-            array. Default: all ``"flat"``.
-
-    Returns:
-        tuple: The signature.
-    """
-    optimizer_of = optimizer_of or [0] * len(flat_grads)
-    placement_of = placement_of or [_placement.FLAT] * len(flat_grads)
-    return tuple(
-        (path, tuple(g.shape), dtype_name(g.dtype), dtype_name(p.dtype), o, where)
-        for (path, g), p, o, where in zip(flat_grads, flat_params, optimizer_of, placement_of)
-    )
-
-
-def plan_for(flat_grads, flat_params, optimizer, world_size: int, communication_size: int,
-             placement=None) -> Plan:
-    """The (cached) plan for a flat gradient tree and an optimizer.
-
-    Args:
-        flat_grads (list): ``(path, gradient)`` pairs.
-        flat_params (list): The matching parameters.
-        optimizer (mlx.optimizers.Optimizer): Decides each array's
-            sub-optimizer (``MultiOptimizer`` filters) and placement.
-        world_size (int): Number of ranks.
-        communication_size (int): Bucket byte budget.
-        placement (optional): The ``placement=`` argument of
-            :func:`mlx_fsdp.fsdp_step`. Default: ``None`` (the registry).
-
-    Returns:
-        Plan: The plan.
-    """
-    optimizer_of = _placement.assign_optimizers(flat_grads, optimizer)
-    rules = _placement.resolve(optimizer, placement)
-    placement_of = _placement.placements(rules, flat_grads, optimizer_of)
-    return build_plan(signature_of(flat_grads, flat_params, optimizer_of, placement_of),
-                      world_size, communication_size)
 
 
 def single_process_plan() -> Plan:

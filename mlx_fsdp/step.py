@@ -16,15 +16,13 @@ The only host synchronization is the small cross-rank check before the first
 collective (:mod:`mlx_fsdp.consistency`).
 """
 
-from typing import Optional
-
 import mlx.core as mx
 
 from . import accumulate, clip, collectives, consistency, layout
 from ._trees import like, match
-from .placement import sub_optimizers
+from .placement import plan_for, sub_optimizers
 from .plain import apply_optimizer
-from .plan import Plan, plan_for
+from .plan import Plan
 
 
 def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None):

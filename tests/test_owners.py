@@ -16,7 +16,8 @@ import mlx_fsdp
 from launch import run_ranks
 from mlx_fsdp import layout, owners, placement
 from mlx_fsdp.fsdp import check_state
-from mlx_fsdp.plan import build_plan, plan_for
+from mlx_fsdp.placement import plan_for
+from mlx_fsdp.plan import build_plan
 
 F32_TOL = 1e-5
 

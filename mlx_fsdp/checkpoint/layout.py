@@ -17,8 +17,8 @@ import mlx.optimizers as optim
 from .. import layout as _layout
 from .._trees import match
 from ..fsdp import ShardedOptimizer
-from ..placement import sub_optimizers
-from ..plan import Bucket, Plan, Slot, dtype_name, plan_for
+from ..placement import plan_for, sub_optimizers
+from ..plan import Bucket, Plan, Slot, dtype_name
 from ..wrapper import DistributedOptimizer
 from .manifest import CheckpointError, master_key, scalar_key, shard_file, state_key
 

@@ -11,9 +11,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from .. import master
-from ..sharded import plan_for, shard_tree, sub_optimizers
-from ..step import local_piece
+from .. import layout, master
+from ..fsdp import init_held
+from ..placement import plan_for
 
 
 def plain_state(optimizer, flat_params: Sequence[Tuple[str, mx.array]],
@@ -45,10 +45,11 @@ def _fsdp_state(
 ) -> Dict[str, object]:
     """The arrays rank ``rank`` of ``fsdp_step`` keeps, built lazily.
 
-    Mirrors ``ShardedOptimizer.init``: the plan of the step, this rank's piece
-    of every flat-placed array and the whole of every array it owns, masters
-    of those pieces, and the real optimizer initialized on them. Built from
-    shape-only (unevaluated) arrays, nothing is allocated: read ``.nbytes``.
+    The step's own plan and :func:`mlx_fsdp.fsdp.init_held` (what
+    ``ShardedOptimizer.init`` runs): this rank's piece of every flat-placed
+    array and the whole of every array it owns, masters of those, and the
+    real optimizer initialized on them. Built from shape-only (unevaluated)
+    arrays, nothing is allocated: read ``.nbytes``.
 
     Args:
         optimizer (mlx.optimizers.Optimizer): A fresh optimizer; its state is
@@ -64,11 +65,11 @@ def _fsdp_state(
     Returns:
         dict: ``"optimizer"``: the optimizer's state tree (as
         ``opt.state["optimizer"]`` after a step); ``"master"``: ``{path:
-        master piece}``; ``"gradient"``: ``{path: this rank's reduced gradient
-        piece}`` (what sharded accumulation keeps; the updated pieces, in the
-        parameters' dtype, are as large); ``"buckets"``: one packed ``(N,
-        cols)`` array per bucket, as the reduce-scatter sends it and the
-        all-gather returns it (the new parameters are views of the latter).
+        master piece}``; ``"gradient"``: ``{path: what this rank holds of the
+        reduced gradient}`` (what sharded accumulation keeps; the updated
+        pieces, in the parameters' dtype, are as large); ``"buckets"``: each
+        bucket's flat vector (``N * cols`` elements), as the reduce-scatter
+        sends it and the all-gather returns it.
     """
     if world_size == 1:  # fsdp_step is the plain optimizer then
         return dict(plain_state(optimizer, flat_params, master_dtype),
@@ -77,19 +78,10 @@ def _fsdp_state(
     arrays = [a for _, a in flat_params]
     plan = plan_for(list(flat_params), arrays, optimizer, world_size, communication_size,
                     placement)
-
-    def piece(slot):
-        whole = arrays[slot.index]
-        return whole if slot.owner is not None else local_piece(slot, whole, rank)
-
-    gradient = {}
-    for o, opt in enumerate(sub_optimizers(optimizer)):
-        pieces = shard_tree(plan, o, piece, rank)
-        gradient.update(pieces)
-        steps = master.initial(list(pieces), list(pieces.values()), masters, master_dtype)
-        opt.init({"shards": dict(zip(pieces, steps))})
+    init_held(plan, optimizer, arrays, rank, masters, master_dtype)
+    gradient = {s.path: a for b in plan.buckets for s, a in layout.held_of(b, arrays, rank)}
     buckets: List[mx.array] = [
-        mx.zeros((world_size, b.cols), getattr(mx, b.dtype)) for b in plan.buckets
+        mx.zeros((world_size * b.cols,), getattr(mx, b.dtype)) for b in plan.buckets
     ]
     return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
             "buckets": buckets}

@@ -56,7 +56,7 @@ def state_vs_reference(opt, ref_opt, group):
     array, the state of its piece of that range. Owned arrays are held whole
     by their owner.
     """
-    n, rank = group.size(), group.rank()
+    rank = group.rank()
     plan = getattr(opt, "plan", None)
     worst = 0.0
     for o, (mine, ref) in enumerate(zip(sub_states(opt), sub_states(ref_opt))):
