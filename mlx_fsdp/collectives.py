@@ -247,8 +247,13 @@ class CollectiveOrder:
     nothing to compute early and is chained with ``mx.depends``.
     """
 
-    def __init__(self):
-        self._last: Optional[mx.array] = None
+    def __init__(self, group=None, traced: bool = False):
+        # A step starts after the last collective of the group's previous
+        # step, so that two steps built before one evaluation (two models, or
+        # async_eval of one step while the next is built) stay in order too.
+        # Traced values never cross from one trace (or graph) to another.
+        self._key = None if group is None or traced else id(group)
+        self._last: Optional[mx.array] = _last_of_group.get(self._key)
 
     def join(self, parts, dtype) -> mx.array:
         """Concatenate ``parts`` into a collective's input, after the last collective."""
@@ -267,4 +272,11 @@ class CollectiveOrder:
     def ran(self, output: mx.array) -> mx.array:
         """Record ``output`` as the last collective's; return it."""
         self._last = output
+        if self._key is not None:
+            _last_of_group[self._key] = output.reshape(-1)[:0]
         return output
+
+
+# The last collective each group's steps built (an empty slice of it: the
+# dependency, not the data). Keyed by id(group), as _native_cache is.
+_last_of_group: dict = {}

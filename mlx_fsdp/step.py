@@ -64,7 +64,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None):
     # -- reduce-scatter each bucket, the last one first: in the backward pass
     #    the last layers' gradients are ready first
     method = collectives.reduce_scatter_method(group)
-    order = collectives.CollectiveOrder()
+    order = collectives.CollectiveOrder(group, traced)
     held = {}  # path -> summed gradient of what this rank holds of it
     for bucket in reversed(plan.buckets):
         for slot, g in collectives.reduce_bucket(bucket, grads, group, method=method, order=order,
