@@ -325,7 +325,7 @@ def test_failed_write_on_one_rank_fails_every_rank(saved_n2, tmp_path):
 
 
 def _step_of_n2(path):
-    from mlx_fsdp.checkpoint.manifest import read_manifest, verify_files
+    from mlx_fsdp.checkpoint.reader import read_manifest, verify_files
 
     m = read_manifest(path)
     verify_files(path, m)
@@ -334,7 +334,8 @@ def _step_of_n2(path):
 
 def test_rebuild_reads_every_format_and_version_1_manifests(tmp_path):
     from mlx_fsdp.checkpoint.layout import _rebuild
-    from mlx_fsdp.checkpoint.manifest import CheckpointError, read_manifest, shard_file
+    from mlx_fsdp.checkpoint.manifest import CheckpointError, shard_file
+    from mlx_fsdp.checkpoint.reader import read_manifest
 
     a = mx.arange(35, dtype=mx.float32).reshape(7, 5)
     by_columns = mx.concatenate([a.T.reshape(-1), mx.zeros(1)])  # 2 shards of 18

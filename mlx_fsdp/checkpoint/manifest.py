@@ -34,8 +34,9 @@ FORMAT = "mlx_fsdp-checkpoint"
 #: Version 3 stores what each rank holds of an array in a flat bucket (entries
 #: of kind "pieces": no per-array padding). Version 2 split every array over
 #: every rank, zero-padded, and added each flat entry's element ``order``;
-#: version 1 had row order throughout. All three are read; older readers
-#: refuse newer versions.
+#: version 1 had row order throughout. Version 3 also adds ``model.weights``
+#: (``"trainable"``: a model file with only the trained parameters). All three
+#: are read; older readers refuse newer versions.
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
@@ -99,15 +100,39 @@ def read_header(path: str) -> dict:
 
     Reads only the JSON header (8-byte little-endian length, then JSON), not
     the arrays.
+
+    Raises:
+        CheckpointError: If the file is not a well-formed safetensors file.
     """
+    name = os.path.basename(path)
+
+    def bad(why):
+        return CheckpointError(f"{name} is not a valid safetensors file ({why}); the "
+                               "checkpoint is damaged.")
+
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise bad("shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise bad(f"its header length {n} exceeds the file")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise bad(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
     header.pop("__metadata__", None)
-    return {
-        k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
-        for k, v in header.items()
-    }
+    out = {}
+    for k, v in header.items():
+        if not (isinstance(v, dict) and isinstance(v.get("dtype"), str)
+                and isinstance(v.get("shape"), list)
+                and all(isinstance(d, int) and d >= 0 for d in v["shape"])):
+            raise bad(f"the header entry {k[:80]!r} has no dtype and shape")
+        out[k] = {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
+    return out
 
 
 def _jsonable(value):
@@ -151,71 +176,3 @@ def write_json(path: str, data: dict):
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_manifest(path: str) -> dict:
-    """Read and sanity-check ``path/manifest.json``.
-
-    Raises:
-        CheckpointError: naming the missing or malformed part, and pointing at
-            the leftovers of an interrupted save if there are any.
-    """
-    path = os.path.abspath(path)
-    file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(file):
-        parent, base = os.path.split(path.rstrip(os.sep))
-        hints = []
-        if os.path.isdir(os.path.join(parent, f".{base}.old")):
-            hints.append(
-                f" A save was interrupted while replacing it; the previous checkpoint "
-                f"is intact at {os.path.join(parent, '.' + base + '.old')}."
-            )
-        if os.path.isdir(os.path.join(parent, f".{base}.partial")):
-            hints.append(" An interrupted save left an incomplete .partial directory next to it.")
-        what = "has no manifest.json" if os.path.isdir(path) else "does not exist"
-        raise CheckpointError(f"The checkpoint {path} {what}; it is not a complete checkpoint."
-                              + "".join(hints))
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint is damaged.") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not an mlx_fsdp checkpoint manifest (no format={FORMAT!r}).")
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{file} has format_version={version!r}; this mlx_fsdp reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the mlx_fsdp version that wrote it "
-            f"({manifest.get('mlx_fsdp_version')})."
-        )
-    for key in ("files", "plan", "model", "optimizer", "optimizers", "layout"):
-        if key not in manifest:
-            raise CheckpointError(f"{file} lacks the '{key}' entry; the manifest is damaged.")
-    return manifest
-
-
-def verify_files(path: str, manifest: dict):
-    """Check that every file the manifest lists exists with its size and sha256.
-
-    Raises:
-        CheckpointError: naming the first missing, truncated or altered file.
-    """
-    for name, info in sorted(manifest["files"].items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(
-                f"The checkpoint {path} is missing {name} (listed in its manifest); "
-                "copy the whole directory, every shard file included."
-            )
-        size = os.path.getsize(file)
-        if size != info["bytes"]:
-            raise CheckpointError(
-                f"{name} in {path} has {size} bytes but the manifest says "
-                f"{info['bytes']}: the file is truncated or altered."
-            )
-        if sha256_file(file) != info["sha256"]:
-            raise CheckpointError(
-                f"{name} in {path} does not match its sha256 in the manifest: the "
-                "file is altered or corrupted."
-            )
