@@ -394,3 +394,55 @@ def test_shape_aware_state_round_trips_whole(tmp_path, make):
     train(model, opt, 1, start=2)
     train(model2, opt2, 1, start=2)
     assert by_key_diff(model.parameters(), model2.parameters()) == 0.0
+
+
+# --- weights="trainable": the frozen base is not copied into every checkpoint ---
+
+def _fine_tuned(seed):
+    """A model whose base is frozen (same weights for every seed) and whose head trains."""
+    model = make_model(seed=0, bf16=False)
+    model.freeze()
+    model.out.unfreeze()
+    mx.random.seed(seed)
+    model.out.update({"weight": mx.random.normal(model.out.weight.shape) * 0.1})
+    mx.eval(model.parameters())
+    return model
+
+
+def test_trainable_weights_only(tmp_path):
+    path = str(tmp_path / "adapter")
+    model, opt = _fine_tuned(1), make_optimizer("adamw")
+    train(model, opt, 2)
+    mlx_fsdp.save_checkpoint(path, model, opt, weights="trainable")
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    assert m["model"]["weights"] == "trainable" and m["format_version"] == 3
+    assert m["model"]["stored"] == ["out.weight", "out.bias"]
+    assert len(m["model"]["parameters"]) == len(tree_flatten(model.parameters()))
+    assert sorted(mx.load(os.path.join(path, "model.safetensors"))) == ["out.bias", "out.weight"]
+
+    # Loads into the same frozen base: the head and the state come back, the
+    # base keeps its own values.
+    model2, opt2 = _fine_tuned(2), make_optimizer("adamw")
+    model2.inp.weight = model2.inp.weight + 1  # not in the checkpoint: must stay
+    base = mx.array(model2.inp.weight)
+    mlx_fsdp.load_checkpoint(path, model2, opt2)
+    assert mx.array_equal(model2.inp.weight, base).item()
+    assert by_key_diff(model2.out.parameters(), model.out.parameters()) == 0.0
+    assert by_key_diff(opt2.state, opt.state) == 0.0
+    model2.inp.weight = model.inp.weight  # the same base: the run continues exactly
+    train(model, opt, 1, start=2)
+    train(model2, opt2, 1, start=2)
+    assert by_key_diff(model2.out.parameters(), model.out.parameters()) == 0.0
+
+    # The parameters it does not hold must still exist with the saved shapes.
+    model3, opt3 = _fine_tuned(2), make_optimizer("adamw")
+    model3.proj = mx.zeros((15, 4))
+    with pytest.raises(mlx_fsdp.CheckpointError, match=r"different model .*proj: \(15, 3\)"):
+        mlx_fsdp.load_checkpoint(path, model3, opt3)
+
+    # Consolidated: model.* holds the trainable parameters only.
+    out = mlx_fsdp.consolidate_checkpoint(path, str(tmp_path / "full"))
+    assert sorted(k for k in mx.load(out) if k.startswith("model.")) == ["model.out.bias",
+                                                                          "model.out.weight"]
+    with pytest.raises(ValueError, match="weights='some' must be 'all'"):
+        mlx_fsdp.save_checkpoint(path, model, opt, weights="some")

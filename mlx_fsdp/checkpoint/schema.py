@@ -190,8 +190,11 @@ def _entry(f: Fields, entry, where: str, param: dict, num_shards: int):
 
 def _parameter(f: Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
     f.dict(param, where)
+    f.shape(f.get(param, "shape", where), f"{where}.shape")
+    for name in ("size", "cols"):
+        f.int(f.get(param, name, where), f"{where}.{name}")
     for name in ("shape", "size", "cols"):
-        f.equal(f.get(param, name, where), slot[name], f"{where}.{name}", f"plan slot {name}")
+        f.equal(param[name], slot[name], f"{where}.{name}", f"the plan slot's {name}")
     f.equal(f.get(param, "owner", where, optional=True), slot.get("owner"), f"{where}.owner",
             "the plan slot's owner")
     f.equal(f.get(param, "dtype", where), param_dtype, f"{where}.dtype", "the plan bucket's param_dtype")

@@ -161,9 +161,9 @@ def stage(path: str, model, optimizer, wrapper, plan: Optional[Plan], rank: int)
     micro = getattr(wrapper, "micro_step", 0)
     if micro:
         raise ValueError(
-            f"load_checkpoint was called after {micro} micro-batches of gradient accumulation "
-            "(opt.micro_step != 0); their accumulated gradients would be added to the loaded "
-            "state. Load before training, or right after an optimizer step."
+            f"load_checkpoint was called after {micro} of {wrapper.grad_accumulation_steps} "
+            "micro-batches (opt.micro_step != 0); their accumulated gradients would be added "
+            "to the loaded state. Load before training, or right after an optimizer step."
         )
     manifest, weights, states, scalars, master = read_checkpoint(path)
     _check_model(path, manifest, model)
