@@ -48,6 +48,10 @@ EXPECTED = {
                                 r"\S+/good, rank 1 \S+/copy\. .*with the same path")},
     "save_paths_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: path: ranks? 0(, 2)? "
                                 r"\S+/new0, rank 1 \S+/new1\.")},
+    "save_steps_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: step: ranks? 0(, 2)? "
+                                r"1, rank 1 0\.")},
+    "save_optimizers_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: .*optimizer: "
+                                     r"ranks? 0(, 2)? AdamW, rank 1 SGD\.")},
     "empty_scalars": {ALL: ("CheckpointError", r"manifest field optimizers\[0\]\.scalars has no "
                             r"'step'")},
     "save_mid_accumulation": {ALL: ("ValueError", r"save_checkpoint was called after 1 of 2 "

@@ -36,7 +36,7 @@ LAYOUTS = ("sharded", "plain")
 _SHARD = re.compile(r"optimizer-(\d{5,})-of-(\d{5,})\.safetensors")
 
 
-class Fields:
+class _Fields:
     """Checks values of one manifest, raising errors that name the manifest and the field."""
 
     def __init__(self, file: str):
@@ -100,7 +100,7 @@ def _show(value) -> str:
 
 
 def _key(where: str, key) -> str:
-    return f"{where}[{key!r}]"
+    return f"{where}[{_show(key)}]"
 
 
 def _size(shape) -> int:
@@ -110,7 +110,7 @@ def _size(shape) -> int:
     return size
 
 
-def _optimizer(f: Fields, desc, where: str) -> int:
+def _optimizer(f: _Fields, desc, where: str) -> int:
     """The optimizer description; returns how many state sections it needs."""
     f.dict(desc, where)
     f.str(f.get(desc, "class", where), f"{where}.class")
@@ -132,7 +132,7 @@ def _optimizer(f: Fields, desc, where: str) -> int:
     return len(subs)
 
 
-def _plan(f: Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
+def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
     """The plan; returns ``{path: (optimizer index, slot, param dtype)}``."""
     f.dict(plan, "plan")
     world = f.int(f.get(plan, "world_size", "plan"), "plan.world_size", 1)
@@ -170,7 +170,7 @@ def _plan(f: Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
     return slots
 
 
-def _entry(f: Fields, entry, where: str, param: dict, num_shards: int):
+def _entry(f: _Fields, entry, where: str, param: dict, num_shards: int):
     f.dict(entry, where)
     kind = f.str(f.get(entry, "kind", where), f"{where}.kind", KINDS)
     f.dtype(f.get(entry, "dtype", where), f"{where}.dtype")
@@ -188,7 +188,7 @@ def _entry(f: Fields, entry, where: str, param: dict, num_shards: int):
         f.equal(source, param["owner"], f"{where}.source", "the parameter's owner")
 
 
-def _parameter(f: Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
+def _parameter(f: _Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
     f.dict(param, where)
     f.shape(f.get(param, "shape", where), f"{where}.shape")
     for name in ("size", "cols"):
@@ -204,7 +204,7 @@ def _parameter(f: Fields, param, where: str, slot: dict, param_dtype: str, num_s
         _entry(f, entry, _key(f"{where}.entries", name), param, num_shards)
 
 
-def _optimizers(f: Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
+def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
     f.list(sections, "optimizers")
     if len(sections) != count:
         f.fail("optimizers", f"has {len(sections)} sections, but the optimizer has {count} "
@@ -236,7 +236,7 @@ def _optimizers(f: Fields, sections, count: int, slots: Dict[str, tuple], num_sh
             _parameter(f, param, _key(f"{where}.parameters", path), slot, dtype, num_shards)
 
 
-def _model(f: Fields, model, slots: Dict[str, tuple]):
+def _model(f: _Fields, model, slots: Dict[str, tuple]):
     f.dict(model, "model")
     f.equal(f.get(model, "file", "model"), MODEL_FILE, "model.file", "the model file's name")
     params = f.dict(f.get(model, "parameters", "model"), "model.parameters")
@@ -270,7 +270,7 @@ def _model(f: Fields, model, slots: Dict[str, tuple]):
             f.fail("model.stored", f"lacks {path!r}, which the plan trains")
 
 
-def _files(f: Fields, files, num_shards: int):
+def _files(f: _Fields, files, num_shards: int):
     f.dict(files, "files")
     last = shard_file(num_shards - 1, num_shards)
     for name, info in files.items():
@@ -309,7 +309,7 @@ def validate(manifest: dict, file: str) -> dict:
     Raises:
         CheckpointError: Naming the first bad field.
     """
-    f = Fields(file)
+    f = _Fields(file)
     f.int(f.get(manifest, "step", ""), "step")
     f.int(f.get(manifest, "world_size", ""), "world_size", 1)
     for name in ("mlx_fsdp_version", "mlx_version"):

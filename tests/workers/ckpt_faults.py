@@ -160,6 +160,14 @@ def cases(group, root):
     case("save_paths_differ", group, root, model, opt,
          lambda: mlx_fsdp.save_checkpoint(os.path.join(root, f"new{int(rank == 1)}"), model, opt))
 
+    # 6b. Rank 1 saves another state: a fresh optimizer (step 0), another class.
+    fresh = watched(mlx_fsdp.fsdp_step(adamw()))
+    case("save_steps_differ", group, root, model, fresh if rank == 1 else opt,
+         lambda: mlx_fsdp.save_checkpoint(good, model, fresh if rank == 1 else opt))
+    sgd = watched(mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1)))
+    case("save_optimizers_differ", group, root, model, sgd if rank == 1 else opt,
+         lambda: mlx_fsdp.save_checkpoint(good, model, sgd if rank == 1 else opt))
+
     # 7. A manifest with an empty scalars section.
     case("empty_scalars", group, root, model, opt,
          lambda: mlx_fsdp.load_checkpoint(scalars, model, opt))
