@@ -123,8 +123,8 @@ def _step(optimizer) -> int:
     return int(sub_optimizers(optimizer)[0].state["step"].item())
 
 
-def _save_problem(wrapper, metadata, weights) -> str:
-    """Why these arguments cannot be saved ("" if they can); the same on every rank."""
+def _save_problem(wrapper, metadata, weights, target: str) -> str:
+    """Why this save cannot be done ("" if it can); every rank compares it before any raises."""
     if weights not in WEIGHTS:
         return (f"weights={weights!r} must be 'all' (every parameter of the model) or "
                 "'trainable' (only model.trainable_parameters(), e.g. LoRA adapters over a "
@@ -140,6 +140,10 @@ def _save_problem(wrapper, metadata, weights) -> str:
     except (TypeError, ValueError) as e:
         return (f"metadata cannot be stored as JSON ({e}); pass a dict of strings, numbers, "
                 "lists and dicts.")
+    try:
+        atomic.check_target(target)
+    except ValueError as e:
+        return str(e)
     return ""
 
 
@@ -232,7 +236,7 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     rank = world.rank()
     dog = _watchdog(wrapper)
     target = atomic.resolve(path)
-    problem = _save_problem(wrapper, metadata, weights)
+    problem = _save_problem(wrapper, metadata, weights, target)
     with watchdog.watch(dog, f"save_checkpoint({target})"):
         control.agree(world, "save_checkpoint", {
             "path": target,
@@ -242,7 +246,6 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
         }, hint=_HINT)
     if problem:
         raise ValueError(problem)
-    atomic.check_target(target)
 
     def status(ok, shard=-1, digest=""):
         with watchdog.watch(dog, f"save_checkpoint({target})"):
