@@ -3,8 +3,8 @@
 The manifest is checked against its schema (:mod:`.schema`) before any field
 is used, and every file it names must be a plain file name inside the
 checkpoint directory: no absolute path, no ``..``, no symbolic link that
-leaves the directory. A file outside is never opened or measured, so no error
-message can tell anything about it. The directory itself may be a link (a
+leaves the directory. A file outside is never opened, and no error message
+tells anything about it (its size, whether it exists). The directory itself may be a link (a
 ``latest`` link to the newest checkpoint): its real path is the directory the
 files must stay in.
 """
