@@ -114,9 +114,10 @@ def test_call_on_some_ranks_only_mpi(tmp_path):
     code, out = run_ranks(3, "ckpt_faults.py", ["skip_exit", tmp_path, "save"], timeout=90,
                           expect_failure=True)
     assert code != 0 and "NO ERROR" not in out
-    for rank in (0, 2):
-        assert re.search(rf"\[mlx_fsdp watchdog\] rank {rank} waited \d+ s .* in "
-                         rf"save_checkpoint\(\S+/ck\)", out), out
+    # The first rank whose watchdog fires ends the job: the other waiting rank
+    # may be stopped by the launcher before its own timeout.
+    assert re.search(r"\[mlx_fsdp watchdog\] rank [02] waited \d+ s .* in "
+                     r"save_checkpoint\(\S+/ck\)", out), out
 
 
 @pytest.mark.xfail(reason="needs the core's per-step control message", strict=False)
