@@ -32,8 +32,12 @@ from workers.common import make_model
 ALL, ONE, OTHERS = "all", 1, "others"
 NOTHING = r"Nothing was loaded from \S+ on any rank\. The ranks disagree in load_checkpoint: "
 EXPECTED = {
-    "owner_into_flat": {ALL: ("CheckpointError", r"exp_avg_sq_col' of 'inp.weight' has shape "
-                              r"\(15,\), .* cannot be split into flat shards")},
+    # Each rank cuts the pieces it holds: it fails on its own first factored
+    # entry, or, holding none, hears of the others' failure.
+    "owner_into_flat": {ALL: [("CheckpointError", r"The entry 'exp_avg_sq_(row|col)' of '\S+' has "
+                               r"shape \(\d+,\), not the parameter's \(\d+, \d+\), so it cannot "
+                               r"be cut into flat pieces"),
+                              ("RankMismatch", NOTHING + r"status: .*CheckpointError: The entry")]},
     "communication_size": {ALL: ("RankMismatch", NOTHING + r"layout: .*\(communication_size=300\)"
                                  r".*, rank 1 .*\(communication_size=0\)")},
     "model_on_one_rank": {ONE: ("CheckpointError", r"saved from a different model .*proj: "
@@ -85,12 +89,12 @@ def test_every_fault_raises_on_every_rank_and_changes_nothing(ring_faults, tmp_p
     for name, expected in EXPECTED.items():
         for rank in range(n):
             key = ALL if ALL in expected else (ONE if rank == 1 else OTHERS)
-            kind, pattern = expected[key]
+            allowed = expected[key] if isinstance(expected[key], list) else [expected[key]]
             lines = [l for l in out.splitlines() if l.startswith(f"CASE {name} rank {rank}: ")]
             error = next((l for l in lines if "unchanged=" not in l), None)
             assert error is not None, f"{name} rank {rank}: no result\n{out[-4000:]}"
-            head = f"CASE {name} rank {rank}: {kind}: "
-            assert error.startswith(head) and re.search(pattern, error), (name, rank, error)
+            assert any(error.startswith(f"CASE {name} rank {rank}: {kind}: ")
+                       and re.search(pattern, error) for kind, pattern in allowed), (name, rank, error)
             assert f"CASE {name} rank {rank}: unchanged=True" in lines, (name, rank, lines)
     for rank in range(n):
         assert f"CASE symlink rank {rank}: link=True target=True" in out, out[-3000:]
@@ -120,7 +124,6 @@ def test_call_on_some_ranks_only_mpi(tmp_path):
                      r"save_checkpoint\(\S+/ck\)", out), out
 
 
-@pytest.mark.xfail(reason="needs the core's per-step control message", strict=False)
 @pytest.mark.parametrize("n", [2, 3], ids=["ring-2", "mpi-3"])
 def test_update_on_one_rank_while_the_others_save(tmp_path, n):
     code, out = run_ranks(n, "ckpt_faults.py", ["skip_update", tmp_path], timeout=90,
@@ -240,8 +243,16 @@ MANIFEST_CASES = [
      _field("optimizers[0].parameters['mix'].entries['m'].shape") + r"is \[105\], but the parameter"),
     ("entry shape negative", _set(M + ("shape",), [7, -15]),
      _field("optimizers[0].parameters['mix'].entries['m'].shape[1]") + "is -15"),
-    ("entry source", _set(M + ("source",), 5),
-     _field("optimizers[0].parameters['mix'].entries['m'].source") + r"is 5, which is not in \[0, 2\)"),
+    ("entry ranks", _set(M + ("ranks",), [5]),
+     _field("optimizers[0].parameters['mix'].entries['m'].ranks[0]") + r"is 5, which is not in \[0, 2\)"),
+    ("entry ranks empty", _set(M + ("ranks",), []),
+     _field("optimizers[0].parameters['mix'].entries['m'].ranks") + r"is \[\]; it must list"),
+    ("entry ranks repeated", _set(M + ("ranks",), [1, 1]),
+     _field("optimizers[0].parameters['mix'].entries['m'].ranks") + r"is \[1, 1\]; it must list"),
+    ("entry ranks missing", _set(M + ("ranks",), DELETE),
+     _field("optimizers[0].parameters['mix'].entries['m'].ranks") + "is missing"),
+    ("entry kind flat without cols", _set(M + ("kind",), "flat"),
+     _field("optimizers[0].parameters['mix'].entries['m'].source") + "is missing"),
     ("entry order", _set(M + ("order",), "X"),
      _field("optimizers[0].parameters['mix'].entries['m'].order") + "is 'X'"),
     ("entry dtype missing", _set(M + ("dtype",), DELETE),
@@ -318,7 +329,7 @@ def _target(make=lambda: optim.AdamW(learning_rate=1e-2, weight_decay=0.05)):
 def _unchanged(model, opt, snap):
     now = tree_flatten(model.parameters()) + tree_flatten(opt.state)
     return [k for k, _ in now] == [k for k, _ in snap] and all(
-        mx.array_equal(a, b).item() for (_, a), (_, b) in zip(now, snap))
+        mx.array_equal(a, b, equal_nan=True).item() for (_, a), (_, b) in zip(now, snap))
 
 
 def _files(path):
@@ -408,8 +419,8 @@ def test_files_that_disagree_with_a_consistent_manifest(good, tmp_path):
     shard = dict(mx.load(os.path.join(path, SHARD1)))
     shard["state/0/mix/m"] = mx.zeros((3,))
     _rewrite(path, SHARD1, shard)
-    _refused(path, re.escape(f"{SHARD1} holds 'state/0/mix/m' as (3,) float32, but the manifest "
-                             "says (53,) float32"))
+    _refused(path, re.escape("The pieces of 'state/0/mix/m' in optimizer-00000-of-00002.safetensors, "
+                             f"{SHARD1} hold 56 elements, but the manifest says 105"))
     path = _copy(good, tmp_path / "b")
     weights = dict(mx.load(os.path.join(path, MODEL)))
     weights["extra"] = mx.zeros((2,))

@@ -29,7 +29,9 @@ DTYPES = frozenset({
     "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
     "float16", "bfloat16", "float32", "float64", "complex64",
 })
-KINDS = ("flat", "whole")
+#: "pieces" (format 3): the entry split over the files of the ranks that hold
+#: it; "flat" (formats 1 and 2): split over every rank, zero-padded; "whole".
+KINDS = ("pieces", "flat", "whole")
 ORDERS = ("C", "F")
 WEIGHTS = ("all", "trainable")
 LAYOUTS = ("sharded", "plain")
@@ -158,8 +160,8 @@ def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
             shape = f.shape(f.get(slot, "shape", at), f"{at}.shape")
             f.equal(f.int(f.get(slot, "size", at), f"{at}.size"), _size(shape), f"{at}.size",
                     "the product of its shape")
-            f.int(f.get(slot, "cols", at), f"{at}.cols")
-            f.int(f.get(slot, "offset", at), f"{at}.offset")
+            for name in ("start", "cols", "offset"):  # format 3 has start, 1 and 2 the others
+                f.int(f.get(slot, name, at, optional=True, default=0), f"{at}.{name}")
             owner = f.get(slot, "owner", at, optional=True)
             if owner is not None:
                 f.int(owner, f"{at}.owner", 0, world)
@@ -170,38 +172,50 @@ def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
     return slots
 
 
-def _entry(f: _Fields, entry, where: str, param: dict, num_shards: int):
+def _entry(f: _Fields, entry, where: str, param: dict, param_where: str, num_shards: int):
     f.dict(entry, where)
     kind = f.str(f.get(entry, "kind", where), f"{where}.kind", KINDS)
     f.dtype(f.get(entry, "dtype", where), f"{where}.dtype")
     shape = f.shape(f.get(entry, "shape", where), f"{where}.shape")
-    source = f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
     f.str(f.get(entry, "order", where, optional=True, default="C"), f"{where}.order", ORDERS)
-    if kind == "flat":
-        f.equal(shape, param["shape"], f"{where}.shape", "the parameter's shape")
+    if kind == "whole":
+        source = f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
         if param.get("owner") is not None:
-            f.fail(f"{where}.kind", "is 'flat', but the parameter is kept whole on an owner rank")
-        if num_shards * param["cols"] < param["size"]:
-            f.fail(f"{where}", f"is flat, but {num_shards} pieces of {param['cols']} elements "
-                   f"cannot hold the parameter's {param['size']}")
-    elif param.get("owner") is not None:
-        f.equal(source, param["owner"], f"{where}.source", "the parameter's owner")
+            f.equal(source, param["owner"], f"{where}.source", "the parameter's owner")
+        return
+    f.equal(shape, param["shape"], f"{where}.shape", "the parameter's shape")
+    if param.get("owner") is not None:
+        f.fail(f"{where}.kind", f"is {kind!r}, but the parameter is kept whole on an owner rank")
+    if kind == "pieces":
+        ranks = f.list(f.get(entry, "ranks", where), f"{where}.ranks")
+        for i, r in enumerate(ranks):
+            f.int(r, f"{where}.ranks[{i}]", 0, num_shards)
+        if not ranks or ranks != sorted(set(ranks)):
+            f.fail(f"{where}.ranks", f"is {_show(ranks)}; it must list the ranks that hold "
+                   "pieces, each once, in increasing order")
+        return
+    f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
+    cols = f.int(f.get(param, "cols", param_where), f"{param_where}.cols")
+    if num_shards * cols < param["size"]:
+        f.fail(where, f"is flat, but {num_shards} pieces of {cols} elements cannot hold the "
+               f"parameter's {param['size']}")
 
 
 def _parameter(f: _Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
     f.dict(param, where)
     f.shape(f.get(param, "shape", where), f"{where}.shape")
-    for name in ("size", "cols"):
-        f.int(f.get(param, name, where), f"{where}.{name}")
-    for name in ("shape", "size", "cols"):
+    f.int(f.get(param, "size", where), f"{where}.size")
+    for name in ("shape", "size"):
         f.equal(param[name], slot[name], f"{where}.{name}", f"the plan slot's {name}")
+    if "cols" in param:  # formats 1 and 2
+        f.equal(param["cols"], slot.get("cols"), f"{where}.cols", "the plan slot's cols")
     f.equal(f.get(param, "owner", where, optional=True), slot.get("owner"), f"{where}.owner",
             "the plan slot's owner")
     f.equal(f.get(param, "dtype", where), param_dtype, f"{where}.dtype", "the plan bucket's param_dtype")
     for name, entry in f.dict(f.get(param, "entries", where), f"{where}.entries").items():
         if not name or "." in name or "/" in name:
             f.fail(_key(f"{where}.entries", name), "is not a state entry name (no '.' or '/')")
-        _entry(f, entry, _key(f"{where}.entries", name), param, num_shards)
+        _entry(f, entry, _key(f"{where}.entries", name), param, where, num_shards)
 
 
 def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
@@ -333,8 +347,9 @@ def validate(manifest: dict, file: str) -> dict:
         if path not in slots:
             f.fail(_key("master", path), "is not a parameter of the plan")
         k = slots[path][0]
+        at = _key(f"optimizers[{k}].parameters", path)
         _entry(f, entry, _key("master", path), manifest["optimizers"][k]["parameters"][path],
-               num_shards)
+               at, num_shards)
     _model(f, f.get(manifest, "model", ""), slots)
     return manifest
 
@@ -379,12 +394,27 @@ def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
     num_shards = manifest["plan"]["world_size"]
     shards = [shard_file(r, num_shards) for r in range(num_shards)]
 
-    def entry(key: str, e: dict, cols: int):
+    def entry(key: str, e: dict, p: dict):
         if e["kind"] == "whole":
             expect(shards[e["source"]], key, e["shape"], e["dtype"])
-        else:
+        elif e["kind"] == "flat":
             for name in shards:
-                expect(name, key, [cols], e["dtype"])
+                expect(name, key, [p["cols"]], e["dtype"])
+        else:
+            held = 0
+            for r in e["ranks"]:
+                shape = headers[shards[r]].get(key, {}).get("shape", [0])
+                if len(shape) != 1:
+                    raise CheckpointError(
+                        f"{shards[r]} holds '{key}' as {tuple(shape)}, but a piece is 1-D; the "
+                        "checkpoint is inconsistent.")
+                expect(shards[r], key, shape, e["dtype"])
+                held += shape[0]
+            if held != p["size"]:
+                raise CheckpointError(
+                    f"The pieces of '{key}' in {', '.join(shards[r] for r in e['ranks'])} hold "
+                    f"{held} elements, but the manifest says {p['size']}; the checkpoint is "
+                    "inconsistent.")
 
     params = {}
     for k, section in enumerate(manifest["optimizers"]):
@@ -395,6 +425,6 @@ def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
         for path, p in section["parameters"].items():
             params[path] = p
             for name, e in p["entries"].items():
-                entry(state_key(k, path, name), e, p["cols"])
+                entry(state_key(k, path, name), e, p)
     for path, e in manifest.get("master", {}).items():
-        entry(master_key(path), e, params[path]["cols"])
+        entry(master_key(path), e, params[path])

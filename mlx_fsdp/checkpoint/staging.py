@@ -48,7 +48,7 @@ def describe_target(plan: Optional[Plan]) -> str:
     if plan is None:
         return "plain (whole state on every rank)"
     return (f"{plan.world_size} shards, {len(plan.buckets)} buckets (communication_size="
-            f"{plan.communication_size}), plan {plan.fingerprint()[:10]}")
+            f"{plan.communication_size}), plan {plan.fingerprint[:10]}")
 
 
 def _differences(saved: dict, current: dict, limit: int = 5) -> list:

@@ -38,11 +38,9 @@ def adamw():
     return optim.AdamW(learning_rate=1e-2, weight_decay=0.05)
 
 
-def watched(opt):
-    # A stand-in for the core's timeout option: save and load look up the
-    # wrapper's watchdog timeout here.
-    opt.timeout = TIMEOUT
-    return opt
+def fsdp(optimizer, **kwargs):
+    """``fsdp_step`` with the collective watchdog on (a rank left alone in a save ends)."""
+    return mlx_fsdp.fsdp_step(optimizer, timeout=TIMEOUT, **kwargs)
 
 
 def barrier(group):
@@ -56,7 +54,7 @@ def snapshot(model, opt) -> list:
 
 def same(a: list, b: list) -> bool:
     return [k for k, _ in a] == [k for k, _ in b] and all(
-        x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
+        x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y, equal_nan=True).item()
         for (_, x), (_, y) in zip(a, b))
 
 
@@ -101,14 +99,14 @@ def cases(group, root):
     rank, n = group.rank(), group.size()
     good = os.path.join(root, "good")
     model = make_model(bf16=False)
-    opt = watched(mlx_fsdp.fsdp_step(adamw(), communication_size=300))
+    opt = fsdp(adamw(), communication_size=300)
     train(model, opt, 1, rank, n)
     mlx_fsdp.save_checkpoint(good, model, opt)
 
     # An owner-placed checkpoint: Adafactor's factored state is kept whole.
     owned = os.path.join(root, "owned")
     fmodel = make_model(bf16=False)
-    fopt = watched(mlx_fsdp.fsdp_step(optim.Adafactor(learning_rate=1e-2)))
+    fopt = fsdp(optim.Adafactor(learning_rate=1e-2))
     train(fmodel, fopt, 1, rank, n)
     mlx_fsdp.save_checkpoint(owned, fmodel, fopt)
 
@@ -126,13 +124,13 @@ def cases(group, root):
     barrier(group)
 
     # 1. Owner-placed state into placement="flat": found while cutting the state.
-    flat = watched(mlx_fsdp.fsdp_step(optim.Adafactor(learning_rate=1e-2), placement="flat"))
+    flat = fsdp(optim.Adafactor(learning_rate=1e-2), placement="flat")
     train(fmodel, flat, 1, rank, n)
     case("owner_into_flat", group, root, fmodel, flat,
          lambda: mlx_fsdp.load_checkpoint(owned, fmodel, flat))
 
     # 2. communication_size differs on rank 1 (the same trained inner optimizer).
-    other = watched(mlx_fsdp.fsdp_step(opt.optimizer, communication_size=0 if rank == 1 else 300))
+    other = fsdp(opt.optimizer, communication_size=0 if rank == 1 else 300)
     case("communication_size", group, root, model, other,
          lambda: mlx_fsdp.load_checkpoint(good, model, other))
 
@@ -161,10 +159,10 @@ def cases(group, root):
          lambda: mlx_fsdp.save_checkpoint(os.path.join(root, f"new{int(rank == 1)}"), model, opt))
 
     # 6b. Rank 1 saves another state: a fresh optimizer (step 0), another class.
-    fresh = watched(mlx_fsdp.fsdp_step(adamw()))
+    fresh = fsdp(adamw())
     case("save_steps_differ", group, root, model, fresh if rank == 1 else opt,
          lambda: mlx_fsdp.save_checkpoint(good, model, fresh if rank == 1 else opt))
-    sgd = watched(mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1)))
+    sgd = fsdp(optim.SGD(learning_rate=0.1))
     case("save_optimizers_differ", group, root, model, sgd if rank == 1 else opt,
          lambda: mlx_fsdp.save_checkpoint(good, model, sgd if rank == 1 else opt))
 
@@ -173,8 +171,7 @@ def cases(group, root):
          lambda: mlx_fsdp.load_checkpoint(scalars, model, opt))
 
     # 8. Between micro-batches: the accumulated gradient cannot be saved, nor kept over a load.
-    acc = watched(mlx_fsdp.fsdp_step(opt.optimizer, communication_size=300,
-                                     grad_accumulation_steps=2))
+    acc = fsdp(opt.optimizer, communication_size=300, grad_accumulation_steps=2)
     train(model, acc, 1, rank, n)
     case("save_mid_accumulation", group, root, model, acc,
          lambda: mlx_fsdp.save_checkpoint(good, model, acc))
@@ -195,13 +192,13 @@ def cases(group, root):
     tuned = make_model(bf16=False)
     tuned.freeze()
     tuned.out.unfreeze()
-    topt = watched(mlx_fsdp.fsdp_step(adamw(), communication_size=300))
+    topt = fsdp(adamw(), communication_size=300)
     train(tuned, topt, 1, rank, n)
     mlx_fsdp.save_checkpoint(head, tuned, topt, weights="trainable")
     fresh = make_model(bf16=False)
     fresh.freeze()
     fresh.out.unfreeze()
-    fopt2 = watched(mlx_fsdp.fsdp_step(adamw()))
+    fopt2 = fsdp(adamw(), communication_size=300)
     mlx_fsdp.load_checkpoint(head, fresh, fopt2)
     stored = sorted(mx.load(os.path.join(head, "model.safetensors")))
     say(root, rank, f"CASE trainable rank {rank}: stored={','.join(stored)} "
@@ -220,7 +217,7 @@ def main():
         cases(group, root)
         return
     model = make_model(bf16=False)
-    opt = watched(mlx_fsdp.fsdp_step(adamw()))
+    opt = fsdp(adamw())
     train(model, opt, 1, group.rank(), group.size())
     path = os.path.join(root, "ck")
     skip = group.rank() == 1
