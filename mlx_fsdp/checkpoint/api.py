@@ -68,7 +68,8 @@ def _load_target(wrapper, model):
     if not is_sharded(wrapper):
         return None, 0
     opts = wrapper.options
-    flat, params = match(model.trainable_parameters(), model.trainable_parameters())
+    trainable = model.trainable_parameters()
+    flat, params = match(trainable, trainable)
     held = [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
     grads = [(p, a.astype(opts.reduce_dtype) if opts.reduce_dtype is not None else a)
              for p, a in held]
@@ -87,8 +88,16 @@ def _reset_wrapper(wrapper, master: Optional[dict], plan):
         wrapper._adopt(plan)
 
 
-def _watchdog(wrapper):
-    return getattr(wrapper, "_dog", None)
+def _watched(wrapper, where: str):
+    """The wrapper's collective watchdog around a wait in ``where`` (a no-op without one)."""
+    return watchdog.watch(getattr(wrapper, "_dog", None), where)
+
+
+def _agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = _HINT):
+    # On the wrapper's communication stream, in order with its step's collectives.
+    with _watched(wrapper, f"{operation}({path})"):
+        control.agree(world, operation, fields, hint=hint,
+                      stream=getattr(wrapper, "communication_stream", None))
 
 
 # --- saving ---
@@ -234,21 +243,19 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     optimizer, wrapper = split_optimizer(opt)
     world = group_or_global(None)
     rank = world.rank()
-    dog = _watchdog(wrapper)
     target = atomic.resolve(path)
     problem = _save_problem(wrapper, metadata, weights, target)
-    with watchdog.watch(dog, f"save_checkpoint({target})"):
-        control.agree(world, "save_checkpoint", {
-            "path": target,
-            "step": _step(optimizer),
-            "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
-            "arguments": problem or "ok",
-        }, hint=_HINT)
+    _agree(wrapper, world, "save_checkpoint", target, {
+        "path": target,
+        "step": _step(optimizer),
+        "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
+        "arguments": problem or "ok",
+    })
     if problem:
         raise ValueError(problem)
 
     def status(ok, shard=-1, digest=""):
-        with watchdog.watch(dog, f"save_checkpoint({target})"):
+        with _watched(wrapper, f"save_checkpoint({target})"):
             return atomic.gather_status(world, ok, shard, digest)
 
     sharded = is_sharded(wrapper)
@@ -353,13 +360,11 @@ def load_checkpoint(path: str, model, opt) -> dict:
     """
     optimizer, wrapper = split_optimizer(opt)
     world = group_or_global(None)
-    dog = _watchdog(wrapper)
     path = os.path.abspath(path)
-    with watchdog.watch(dog, f"load_checkpoint({path})"):
-        control.agree(world, "load_checkpoint", {
-            "path": path,
-            "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
-        }, hint=_HINT)
+    _agree(wrapper, world, "load_checkpoint", path, {
+        "path": path,
+        "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
+    })
 
     staged, error, layout, plan = None, None, "-", None
     try:
@@ -370,9 +375,8 @@ def load_checkpoint(path: str, model, opt) -> dict:
         error = e
     mismatch = None
     try:
-        with watchdog.watch(dog, f"load_checkpoint({path})"):
-            control.agree(world, "load_checkpoint", {"status": _status(error), "layout": layout},
-                          hint="The rank(s) that failed raised the full error.")
+        _agree(wrapper, world, "load_checkpoint", path, {"status": _status(error), "layout": layout},
+               hint="The rank(s) that failed raised the full error.")
     except control.RankMismatch as e:
         mismatch = e
     if error is not None:

@@ -3,7 +3,7 @@
 Usage:
   ckpt_faults.py cases DIR          every case below, one after the other, in DIR
   ckpt_faults.py skip_exit DIR OP   rank 1 skips OP (save | load) and exits
-  ckpt_faults.py skip_update DIR    rank 1 calls update while the others save
+  ckpt_faults.py skip_update DIR [load]  rank 1 calls update while the others save (load)
 
 For each case every rank writes ``CASE <name> rank <r>: <ErrorType>: <message>``
 (or ``NO ERROR``) and ``CASE <name> rank <r>: unchanged=<bool>`` into
@@ -230,6 +230,8 @@ def main():
             sys.exit(0)
         elif skip:  # skip_update
             train(model, opt, 1, group.rank(), group.size(), start=1)
+        elif mode == "skip_update" and sys.argv[3:] == ["load"]:
+            mlx_fsdp.load_checkpoint(path, model, opt)
         else:
             mlx_fsdp.save_checkpoint(path, model, opt)
         print(f"rank {group.rank()}: NO ERROR", flush=True)
