@@ -31,6 +31,14 @@ from workers.common import make_model
 
 ALL, ONE, OTHERS = "all", 1, "others"
 NOTHING = r"Nothing was loaded from \S+ on any rank\. The ranks disagree in load_checkpoint: "
+
+
+def _differ(operation, field, here, there):
+    """The RankMismatch of a field that differs on rank 1 from the other ranks."""
+    return ("RankMismatch", rf"disagree in {operation}: (.*; )?{field}: ranks? 0(, 2)? {here}, "
+                            rf"rank 1 {there}[.;]")
+
+
 EXPECTED = {
     # Each rank cuts the pieces it holds: it fails on its own first factored
     # entry, or, holding none, hears of the others' failure.
@@ -48,14 +56,10 @@ EXPECTED = {
                                   r"its sha256"),
                             OTHERS: ("RankMismatch", NOTHING + r"status: ranks? 0(, 2)? ok, rank 1 "
                                      r"CheckpointError: model.safetensors")},
-    "load_paths_differ": {ALL: ("RankMismatch", r"disagree in load_checkpoint: path: ranks? 0(, 2)? "
-                                r"\S+/good, rank 1 \S+/copy\. .*with the same path")},
-    "save_paths_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: path: ranks? 0(, 2)? "
-                                r"\S+/new0, rank 1 \S+/new1\.")},
-    "save_steps_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: step: ranks? 0(, 2)? "
-                                r"1, rank 1 0\.")},
-    "save_optimizers_differ": {ALL: ("RankMismatch", r"disagree in save_checkpoint: .*optimizer: "
-                                     r"ranks? 0(, 2)? AdamW, rank 1 SGD\.")},
+    "load_paths_differ": {ALL: _differ("load_checkpoint", "path", r"\S+/good", r"\S+/copy")},
+    "save_paths_differ": {ALL: _differ("save_checkpoint", "path", r"\S+/new0", r"\S+/new1")},
+    "save_steps_differ": {ALL: _differ("save_checkpoint", "step", "1", "0")},
+    "save_optimizers_differ": {ALL: _differ("save_checkpoint", "optimizer", "AdamW", "SGD")},
     "empty_scalars": {ALL: ("CheckpointError", r"manifest field optimizers\[0\]\.scalars has no "
                             r"'step'")},
     "save_mid_accumulation": {ALL: ("ValueError", r"save_checkpoint was called after 1 of 2 "
