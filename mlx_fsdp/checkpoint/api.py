@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten
 from .. import control, watchdog
 from .._trees import match
 from ..options import group_or_global
-from ..placement import sub_optimizers
-from ..plan import dtype_name, plan_for
+from ..placement import plan_for, sub_optimizers
+from ..plan import dtype_name
 from . import atomic, staging
 from .layout import arrays_to_save, describe_state, is_sharded, one_shard_plan, split_optimizer
 from .manifest import (
