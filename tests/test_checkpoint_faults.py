@@ -104,6 +104,7 @@ def test_every_fault_raises_on_every_rank_and_changes_nothing(ring_faults, tmp_p
         assert f"CASE symlink rank {rank}: link=True target=True" in out, out[-3000:]
         assert f"CASE final rank {rank}: loaded=True" in out, out[-3000:]
         assert f"CASE trainable rank {rank}: stored=out.bias,out.weight equal=True" in out, out
+        assert f"CASE reduce_dtype rank {rank}: continues=True" in out, out
 
 
 @pytest.mark.parametrize("op", ["save", "load"])

@@ -204,6 +204,22 @@ def cases(group, root):
     say(root, rank, f"CASE trainable rank {rank}: stored={','.join(stored)} "
         f"equal={same(snapshot(fresh, fopt2), snapshot(tuned, topt))}")
 
+    # reduce_dtype: the loaded state is laid out for the plan the next step
+    # builds (float32 gradients of the bfloat16 layer), which it then accepts.
+    reduced = os.path.join(root, "reduced")
+    bmodel = make_model(bf16=True)
+    bopt = fsdp(adamw(), communication_size=300, reduce_dtype=mx.float32)
+    train(bmodel, bopt, 1, rank, n)
+    mlx_fsdp.save_checkpoint(reduced, bmodel, bopt)
+    bmodel2, bopt2 = make_model(seed=3, bf16=True), fsdp(adamw(), communication_size=300,
+                                                         reduce_dtype=mx.float32)
+    mlx_fsdp.load_checkpoint(reduced, bmodel2, bopt2)
+    train(bmodel, bopt, 1, rank, n, start=1)
+    train(bmodel2, bopt2, 1, rank, n, start=1)
+    diff = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for (_, a), (_, b)
+               in zip(tree_flatten(bmodel.parameters()), tree_flatten(bmodel2.parameters())))
+    say(root, rank, f"CASE reduce_dtype rank {rank}: continues={diff <= 1e-6}")
+
     # The ranks are still in step: a good load works everywhere.
     before = snapshot(model, opt)
     mlx_fsdp.load_checkpoint(link, model, opt)
