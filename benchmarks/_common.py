@@ -1,6 +1,8 @@
-"""What the benchmark scripts share: the MLP they time and how they write results."""
+"""What the benchmark scripts share: the MLP they time, progress lines and how they write results."""
 
 import json
+import sys
+import time
 
 import mlx.nn as nn
 
@@ -42,3 +44,35 @@ def publish(header: str, table: str, markdown_path=None, json_path=None, record=
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(record, fh, indent=2)
+
+
+class Progress:
+    """Rank 0's progress through a fixed number of steps, as lines on stderr.
+
+    A line goes out at most every ``every`` seconds and once at the end, so a
+    long run shows it is alive and a short one prints a single line; stdout
+    stays for the results.
+
+    Args:
+        label (str): What is running, at the start of each line.
+        total (int): Steps the work takes.
+        enabled (bool): Print at all (``rank == 0``). Default: ``True``.
+        unit (str): What a step is called. Default: ``"steps"``.
+        every (float): Seconds between lines. Default: ``5.0``.
+    """
+
+    def __init__(self, label: str, total: int, *, enabled: bool = True, unit: str = "steps",
+                 every: float = 5.0):
+        self.label, self.total, self.enabled, self.unit, self.every = label, total, enabled, unit, every
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def advance(self, count: int = 1):
+        """Count ``count`` more finished steps; print a line when one is due."""
+        self.done += count
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= self.every or self.done == self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            print(f"  {self.label}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s",
+                  file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ parameter's state and cutting this rank's pieces. The page cache is warm (the
 files were just written), so this measures the package's own work and memory
 bandwidth more than the disk.
 
+Rank 0 shows its progress (checkpoints done, checkpoints per second) on stderr.
 Run it from the repository root::
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_checkpoint.py
@@ -36,7 +37,7 @@ from mlx.utils import tree_flatten
 import mlx_fsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MLP  # noqa: E402
+from _common import MLP, Progress  # noqa: E402
 
 
 def build(hidden, layers):
@@ -83,12 +84,16 @@ def main():
     mx.eval(model.parameters(), opt.state)
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
 
-    saves = [timed(group, lambda: mlx_fsdp.save_checkpoint(path, model, opt))
-             for _ in range(args.repeats)]
+    progress = Progress("saves then loads", 2 * args.repeats, enabled=rank == 0, unit="checkpoints")
+    saves = []
+    for _ in range(args.repeats):
+        saves.append(timed(group, lambda: mlx_fsdp.save_checkpoint(path, model, opt)))
+        progress.advance()
     loads = []
     for _ in range(args.repeats):
         fresh, fresh_opt = build(args.hidden, args.layers)
         loads.append(timed(group, lambda: mlx_fsdp.load_checkpoint(path, fresh, fresh_opt)))
+        progress.advance()
     if rank == 0:
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         print(f"{params / 1e6:.1f}M parameters, AdamW, N={n}, checkpoint {size / 2**20:.1f} MiB "

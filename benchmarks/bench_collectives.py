@@ -23,7 +23,11 @@ scales it by what each rank must move: ``2 (N-1)/N`` for all-reduce and
 bus bandwidth reads low by 2x.
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_collectives.py
-    mpirun -n 4 python benchmarks/bench_collectives.py --json coll.json
+    MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \\
+        -x MLX_MPI_LIBNAME -n 4 python benchmarks/bench_collectives.py --json coll.json
+
+(the ``mpirun`` line as root on Debian: see the top-level README's Launching.)
+Rank 0 shows its progress (sizes done, sizes per second) on stderr.
 """
 
 import argparse
@@ -39,7 +43,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_fsdp import collectives  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import publish  # noqa: E402
+from _common import Progress, publish  # noqa: E402
 
 KIB, MIB = 1024, 1024**2
 OPS = ("all_sum", "reduce_scatter", "all_gather")
@@ -120,7 +124,10 @@ def main(argv=None):
         return
     method = collectives.reduce_scatter_method(group, None if args.method == "auto" else args.method)
     rows = []
-    for size in sizes(args, n):
+    todo = sizes(args, n)
+    progress = Progress(f"collectives, {_size(todo[0])} to {_size(todo[-1])}", len(todo),
+                        enabled=rank == 0, unit="sizes")
+    for size in todo:
         fns = {}
         for op in OPS:
             fns[op], x = op_fn(op, size, group, method)
@@ -133,6 +140,7 @@ def main(argv=None):
             algbw = size / t / 1e9
             rows.append({"op": op, "bytes": size, "ms": t * 1e3, "algbw_GBps": algbw,
                          "busbw_GBps": algbw * bus_factor(op, n)})
+        progress.advance()
     if rank != 0:
         return
     header = (f"world size {n}; mlx {mx.__version__}; reduce-scatter method: {method}; "

@@ -19,6 +19,7 @@ updates after ``--warmup`` untimed ones, maximum over ranks. Both models start
 equal and see the same gradients, so the largest parameter difference printed
 at the end should be about float32 rounding.
 
+Rank 0 shows its progress (updates done, updates per second) on stderr.
 Run it from the repository root::
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_muon.py
@@ -38,6 +39,9 @@ import mlx.optimizers as optim  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Progress  # noqa: E402
 
 
 class Bank(nn.Module):
@@ -77,7 +81,9 @@ def main():
 
     times = {mode: [] for mode in opts}
     order = ["replicated", "sharded", "sharded", "replicated"]
-    for i in range(2 * (args.warmup + args.steps)):
+    total = 2 * (args.warmup + args.steps)
+    progress = Progress("Muon updates, both modes", total, enabled=rank == 0, unit="updates")
+    for i in range(total):
         mode = order[i % 4]
         model, opt = models[mode], opts[mode]
         mx.synchronize()
@@ -87,6 +93,7 @@ def main():
         elapsed = time.perf_counter() - t0
         if i >= 2 * args.warmup:
             times[mode].append(elapsed)
+        progress.advance()
 
     local = mx.array([statistics.median(times["replicated"]), statistics.median(times["sharded"])])
     worst = mx.distributed.all_gather(local[None], group=group).max(axis=0).tolist()

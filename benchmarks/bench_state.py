@@ -6,7 +6,11 @@ this rank, and the peak memory of a step (``mx.get_peak_memory``). Rank 0
 prints the maximum over ranks and the FSDP/DDP ratios.
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_state.py
-    mpirun -n 4 python benchmarks/bench_state.py     # MLX_MPI_LIBNAME=libmpi.so.40 on Debian
+    MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \\
+        -x MLX_MPI_LIBNAME -n 4 python benchmarks/bench_state.py
+
+(the ``mpirun`` line as root on Debian: see the top-level README's Launching.)
+Rank 0 shows its progress (steps done, steps per second) on stderr.
 """
 
 import argparse
@@ -23,14 +27,18 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Progress  # noqa: E402
+
 MB = 1024**2
+STEPS = 3  # AdamW's state and the masters exist from step 1; the peak is reached by step 2
 
 
 def nbytes(tree) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array) and v.ndim)
 
 
-def measure(mode, args, group):
+def measure(mode, args, group, progress):
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -45,11 +53,12 @@ def measure(mode, args, group):
     def loss_fn(m):
         return (m(x).astype(mx.float32) ** 2).mean()
 
-    for _ in range(3):
+    for _ in range(STEPS):
         _, g = nn.value_and_grad(model, loss_fn)(model)
         opt.update(model, g)
         mx.eval(model.parameters(), opt.state)
         del g
+        progress.advance()
     row = mx.array([nbytes(opt.state.get("master", {})), nbytes(opt.state["optimizer"]),
                     mx.get_peak_memory()], mx.float32)
     return mx.distributed.all_gather(row[None], group=group).max(axis=0).tolist()
@@ -62,7 +71,9 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
     group = mx.distributed.init()
-    res = {mode: measure(mode, args, group) for mode in ("ddp", "fsdp")}
+    modes = ("ddp", "fsdp")
+    progress = Progress("DDP then FSDP", len(modes) * STEPS, enabled=group.rank() == 0)
+    res = {mode: measure(mode, args, group, progress) for mode in modes}
     if group.rank() == 0:
         params = args.layers * (args.hidden**2 + args.hidden)
         print(f"N={group.size()}, bf16 MLP {args.layers}x{args.hidden} ({params / 1e6:.2f}M params), "

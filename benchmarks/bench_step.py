@@ -1,28 +1,41 @@
 """Benchmark one training step of ``mlx_fsdp.ddp_step`` against ``mlx_fsdp.fsdp_step``.
 
-It sweeps model widths (``--hidden``), bucket sizes (``--communication-size``)
-and parameter dtypes (``--dtype``); ``--sweep quick`` (the default) and
-``--sweep full`` name preset lists, and each flag overrides its list. Rank 0
-prints one markdown row per point; ``--markdown PATH`` and ``--json PATH``
-also write them to files.
+Two models: an MLP (``--model mlp``, the default) and the example GPT of
+``examples/lm.py`` (``--model gpt``; ``--model mlp gpt`` runs both). The
+sweep covers model widths (``--hidden`` for the MLP, ``--dims`` for the GPT),
+bucket sizes (``--communication-size``) and parameter dtypes (``--dtype``);
+``--sweep quick`` (the default) and ``--sweep full`` name preset lists, and
+each flag overrides its list. ``--layers`` sets both models' depth, ``--heads``
+and ``--seq-len`` the GPT's attention heads and sequence length, ``--batch``
+the rows per rank. Rank 0 prints one markdown row per point; ``--markdown
+PATH`` and ``--json PATH`` also write them to files.
 
-Both modes train their own copy of the same MLP (same seed, hence the same
+It runs on the device MLX defaults to (the GPU where MLX has one) and labels
+every row with it; ``--cpu`` forces the CPU.
+
+Both modes train their own copy of the same model (same seed, hence the same
 initial weights on every rank and in both modes) with AdamW on the same
-per-rank random batch (each rank has different data; cross-entropy loss).
-Each point of the sweep measures, per rank:
+per-rank random batch (each rank has different data; cross-entropy loss, in
+float32). Each point of the sweep measures, per rank:
 
-* **Step time**: ``nn.value_and_grad`` + ``opt.update`` + ``mx.eval`` of the
-  loss, the parameters and the optimizer state, timed with
-  ``time.perf_counter``. The median is over ``--steps`` timed steps that follow
-  ``--warmup`` untimed ones. Both models live in one timing phase and take
-  turns in blocks of ``--block`` steps, in ABBA order (D F F D D F ...), so that
-  machine noise, thermal drift and a neighbour's load hit both modes alike;
-  the first step of each block is not timed. Steps are not interleaved one by
-  one: each mode's step then runs right after the other mode's, on memory
-  the other just freed, and that slowed DDP more than FSDP. Measured on the
-  2-core development machine (ring N=2, 4.2M MLP, 60 steps), per-step
-  alternation read FSDP/DDP as 0.900 and 0.920, while each mode alone in a
-  process of its own took DDP 262-265 ms and FSDP 258-272 ms per step.
+* **Step time**: forward and backward (``nn.value_and_grad``), ``opt.update``
+  and one ``mx.eval`` of the loss, the parameters and the optimizer state,
+  timed with ``time.perf_counter`` between two ``mx.synchronize()`` calls. The
+  median is over ``--steps`` timed steps that follow ``--warmup`` untimed
+  ones. Both models live in one timing phase and take turns in blocks of
+  ``--block`` steps, in ABBA order (D F F D D F ...), so that machine noise,
+  thermal drift and a neighbour's load hit both modes alike; the first step
+  of each block is not timed. Steps are not interleaved one by one: each
+  mode's step then runs right after the other mode's, on memory the other
+  just freed, and that slowed DDP more than FSDP. Measured on the 2-core
+  development machine (ring N=2, 4.2M MLP, 60 steps), per-step alternation
+  read FSDP/DDP as 0.900 and 0.920, while each mode alone in a process of
+  its own took DDP 262-265 ms and FSDP 258-272 ms per step.
+* **Update hold**: how long ``opt.update`` keeps the caller, from the call
+  to its return, in the same timed steps (median). A step that only builds
+  the lazy graph returns at once and leaves the work to the caller's
+  ``mx.eval``; one that evaluates inside ``update`` holds the caller until
+  its collectives are done.
 * **Peak memory**: ``mx.get_peak_memory()`` is process-wide, so it is measured
   in two separate isolation phases, one per mode, *before* the timing phase.
   Each phase starts from a clean process state (``gc.collect()``,
@@ -41,9 +54,12 @@ Each point of the sweep measures, per rank:
   FSDP pads every array to a multiple of ``N`` so it can be a little above.
 
 Numbers are gathered from all ranks; the table reports the maximum over ranks
-(the slowest / fullest rank bounds the step). Only rank 0 prints. The header
-line names the reduce-scatter method FSDP uses on this backend (ring and MPI
-have no ``sum_scatter``, so it is an ``all_sum`` followed by a slice there).
+(the slowest / fullest rank bounds the step). Only rank 0 prints: the table
+on stdout and, on stderr, progress lines (steps done and steps per second,
+every few seconds) and one summary line per point. The header line names the
+device and the reduce-scatter method FSDP uses on this backend (ring and MPI
+have no ``sum_scatter``, so it is the two-rank ``exchange`` or an ``all_sum``
+followed by a slice there).
 
 After the timing phase the largest parameter difference between the two
 models goes to the JSON (``max_param_diff``) as a sanity check: both took the same steps on the same
@@ -59,11 +75,15 @@ Run it from the repository root, no installation needed::
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_step.py
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_step.py --sweep full \\
         --markdown step.md --json step.json
-    mpirun -np 4 python benchmarks/bench_step.py
+    python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_step.py --model gpt \\
+        --dims 256 --layers 4 --heads 4 --seq-len 32 --batch 4 --communication-size 32MiB
+    MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \\
+        -x MLX_MPI_LIBNAME -n 4 python benchmarks/bench_step.py      # MPI, as root on Debian
 """
 
 import argparse
 import gc
+import math
 import os
 import statistics
 import sys
@@ -72,33 +92,30 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from lm import parse_size  # noqa: E402
+import lm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MLP, publish  # noqa: E402
+from _common import MLP, Progress, publish  # noqa: E402
 
 MB = 1024**2
 MODES = ("ddp", "fsdp")
+MODELS = ("mlp", "gpt")
+#: Rows per rank when ``--batch`` is not given: the MLP's, and the GPT's (of ``--seq-len`` tokens).
+DEFAULT_BATCH = {"mlp": 32, "gpt": 4}
 
-
-def loss_fn(model, x, y):
-    """Mean cross-entropy of the model's logits (computed in float32)."""
-    return nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="mean")
-
-
-#: The sweeps ``--sweep`` names: model widths, bucket sizes and dtypes.
+#: The sweeps ``--sweep`` names: model widths (MLP ``hidden``, GPT ``dims``), bucket sizes and dtypes.
 SWEEPS = {
-    "quick": {"hidden": [512], "communication_size": [1 * MB, 32 * MB],
+    "quick": {"hidden": [512], "dims": [256], "communication_size": [1 * MB, 32 * MB],
               "dtype": ["float32", "bfloat16"]},
-    "full": {"hidden": [512, 1024, 2048], "communication_size": [1 * MB, 16 * MB, 32 * MB],
-             "dtype": ["float32", "bfloat16"]},
+    "full": {"hidden": [512, 1024, 2048], "dims": [256, 512],
+             "communication_size": [1 * MB, 16 * MB, 32 * MB], "dtype": ["float32", "bfloat16"]},
 }
 
 
@@ -109,23 +126,31 @@ def parse_args(argv=None):
         argv (list, optional): Arguments; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        argparse.Namespace: The options; ``hidden``, ``communication_size``
-        and ``dtype`` are lists (the sweep).
+        argparse.Namespace: The options; ``model``, ``hidden``, ``dims``,
+        ``communication_size`` and ``dtype`` are lists (the sweep).
     """
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=MODELS, nargs="+", default=["mlp"],
+                   help="mlp: Linear layers of --hidden width; gpt: the example byte GPT of "
+                   "--dims width (default mlp)")
     p.add_argument("--sweep", choices=sorted(SWEEPS), default="quick",
                    help="preset lists of widths, bucket sizes and dtypes (default quick: "
-                   "width 512; 1 and 32 MiB; float32 and bfloat16)")
+                   "MLP width 512, GPT dims 256; 1 and 32 MiB; float32 and bfloat16)")
     p.add_argument("--hidden", type=int, nargs="+", help="MLP widths (overrides --sweep)")
-    p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
-    p.add_argument("--batch", type=int, default=32, help="per-rank batch (default 32)")
+    p.add_argument("--dims", type=int, nargs="+", help="GPT widths (overrides --sweep)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="MLP Linear layers, GPT transformer blocks (default 4)")
+    p.add_argument("--heads", type=int, default=4, help="GPT attention heads (default 4)")
+    p.add_argument("--seq-len", type=int, default=32, help="GPT tokens per row (default 32)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per rank (default 32 for the MLP, 4 for the GPT)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (default 2)")
     p.add_argument("--block", type=int, default=5,
                    help="timed steps per mode before the other mode takes its turn (default 5)")
     p.add_argument(
         "--communication-size",
-        type=parse_size,
+        type=lm.parse_size,
         nargs="+",
         help="bucket sizes for both modes, e.g. 256KiB 16MiB 32MiB (overrides --sweep)",
     )
@@ -136,27 +161,42 @@ def parse_args(argv=None):
     )
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model seed (same on all ranks)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU even where MLX defaults to a GPU")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
     args = p.parse_args(argv)
     for key, values in SWEEPS[args.sweep].items():
         if getattr(args, key) is None:
             setattr(args, key, values)
-    if (min(args.hidden) < 1 or args.layers < 1 or args.batch < 1 or args.steps < 1
-            or args.block < 1 or args.warmup < 0):
-        p.error("--hidden, --layers, --batch, --steps, --block must be >= 1 and --warmup >= 0")
+    if (min(args.hidden + args.dims) < 1 or args.layers < 1 or args.heads < 1 or args.seq_len < 1
+            or (args.batch is not None and args.batch < 1) or args.steps < 1 or args.block < 1
+            or args.warmup < 0):
+        p.error("--hidden, --dims, --layers, --heads, --seq-len, --batch, --steps, --block "
+                "must be >= 1 and --warmup >= 0")
+    if "gpt" in args.model:
+        bad = [d for d in args.dims if d % args.heads]
+        if bad:
+            p.error(f"--dims {' '.join(map(str, bad))} must divide by --heads={args.heads}; "
+                    "give widths that are multiples of the head count.")
     return args
 
 
 def configs(args):
-    """One namespace per point of the sweep, with scalar ``hidden``, ``communication_size``, ``dtype``."""
+    """One namespace per point of the sweep.
+
+    Each has a scalar ``model``, ``width`` (the MLP's ``hidden`` or the GPT's
+    ``dims``), ``batch``, ``communication_size`` and ``dtype``.
+    """
     out = []
-    for hidden in args.hidden:
-        for dtype in args.dtype:
-            for size in args.communication_size:
-                cfg = argparse.Namespace(**vars(args))
-                cfg.hidden, cfg.dtype, cfg.communication_size = hidden, dtype, size
-                out.append(cfg)
+    for model in args.model:
+        for width in (args.hidden if model == "mlp" else args.dims):
+            for dtype in args.dtype:
+                for size in args.communication_size:
+                    cfg = argparse.Namespace(**vars(args))
+                    cfg.model, cfg.width, cfg.dtype, cfg.communication_size = model, width, dtype, size
+                    cfg.batch = args.batch or DEFAULT_BATCH[model]
+                    out.append(cfg)
     return out
 
 
@@ -164,64 +204,79 @@ def make_batch(args, rank: int):
     """A random batch that differs per rank and is reproducible.
 
     Args:
-        args (argparse.Namespace): The options.
+        args (argparse.Namespace): One point of the sweep.
         rank (int): This process's rank.
 
     Returns:
-        tuple: ``(x, y)``: inputs of shape ``(batch, hidden)`` in ``--dtype`` and
-        integer class targets of shape ``(batch,)``.
+        tuple: ``(x, y)``. MLP: inputs of shape ``(batch, width)`` in
+        ``--dtype`` and class targets of shape ``(batch,)``. GPT: byte tokens
+        and next-byte targets, both of shape ``(batch, seq_len)``.
     """
     kx, ky = mx.random.split(mx.random.key(10_000 + rank))
-    x = mx.random.normal((args.batch, args.hidden), key=kx).astype(getattr(mx, args.dtype))
-    y = mx.random.randint(0, args.hidden, (args.batch,), key=ky)
+    if args.model == "gpt":
+        x = mx.random.randint(0, lm.VOCAB, (args.batch, args.seq_len), key=kx)
+        y = mx.random.randint(0, lm.VOCAB, (args.batch, args.seq_len), key=ky)
+    else:
+        x = mx.random.normal((args.batch, args.width), key=kx).astype(getattr(mx, args.dtype))
+        y = mx.random.randint(0, args.width, (args.batch,), key=ky)
     mx.eval(x, y)
     return x, y
 
 
-def build(mode: str, args):
+def make_model(args) -> nn.Module:
+    """The point's model, from ``--seed``, in its dtype."""
+    mx.random.seed(args.seed)
+    if args.model == "gpt":
+        model = lm.ByteGPT(args.width, args.layers, args.heads, args.seq_len)
+    else:
+        model = MLP(args.width, args.layers)
+    model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def build(mode: str, args, progress=None):
     """Create a fresh model (from ``--seed``) and its distributed optimizer.
 
     Args:
         mode (str): ``"ddp"`` or ``"fsdp"``.
-        args (argparse.Namespace): The options.
+        args (argparse.Namespace): One point of the sweep.
+        progress (Progress, optional): Advanced after every step. Default: ``None``.
 
     Returns:
         tuple: ``(model, opt, step_fn)`` where ``step_fn(x, y)`` runs one full,
-        evaluated training step.
+        evaluated training step and returns how many seconds ``opt.update``
+        held the caller.
     """
-    mx.random.seed(args.seed)
-    model = MLP(args.hidden, args.layers)
-    model.set_dtype(getattr(mx, args.dtype))
-    mx.eval(model.parameters())
+    model = make_model(args)
     wrap = mlx_fsdp.ddp_step if mode == "ddp" else mlx_fsdp.fsdp_step
     opt = wrap(
         optim.AdamW(learning_rate=args.lr),
         max_norm=args.max_norm if args.max_norm > 0 else None,
         communication_size=args.communication_size,
     )
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    loss_and_grad = nn.value_and_grad(model, lm.loss_fn)
 
     def step_fn(x, y):
         loss, grads = loss_and_grad(model, x, y)
+        called = time.perf_counter()
         opt.update(model, grads)
+        held = time.perf_counter() - called
         mx.eval(loss, model.parameters(), opt.state)
-        return loss
+        if progress is not None:
+            progress.advance()
+        return held
 
     return model, opt, step_fn
 
 
-def timed(step_fn, x, y) -> float:
-    """Run one step and return its wall time in milliseconds."""
+def timed(step_fn, x, y):
+    """Run one step; return its wall time and ``opt.update``'s hold, in milliseconds."""
+    mx.synchronize()
     t0 = time.perf_counter()
-    step_fn(x, y)
-    return (time.perf_counter() - t0) * 1e3
-
-
-def state_bytes(opt) -> int:
-    """Bytes of the non-scalar arrays in ``opt.state`` (scalars are skipped)."""
-    return sum(
-        v.nbytes for _, v in tree_flatten(opt.state) if isinstance(v, mx.array) and v.ndim > 0
-    )
+    held = step_fn(x, y)
+    mx.synchronize()
+    return (time.perf_counter() - t0) * 1e3, held * 1e3
 
 
 def clean_slate():
@@ -231,25 +286,38 @@ def clean_slate():
     mx.reset_peak_memory()
 
 
-def memory_phase(mode: str, args, x, y) -> dict:
+def memory_steps(args) -> int:
+    """Steps each mode's memory phase runs: the AdamW state exists from step 1, the peak by step 2."""
+    return max(args.warmup, 1) + 2
+
+
+def total_steps(args) -> int:
+    """Steps one point runs over both modes: memory phases, warm-up, timed and block-opening steps."""
+    per_mode = memory_steps(args) + args.warmup + args.steps + math.ceil(args.steps / args.block)
+    return len(MODES) * per_mode
+
+
+def memory_phase(mode: str, args, x, y, progress=None) -> dict:
     """Measure one mode's peak memory with no other model alive.
 
     Args:
         mode (str): ``"ddp"`` or ``"fsdp"``.
-        args (argparse.Namespace): The options.
+        args (argparse.Namespace): One point of the sweep.
         x (mlx.core.array): This rank's inputs.
         y (mlx.core.array): This rank's targets.
+        progress (Progress, optional): Advanced after every step. Default: ``None``.
 
     Returns:
-        dict: ``peak_bytes``, ``state_bytes`` and the (non-interleaved) step
-        times in ms of this phase as ``isolated_step_ms``.
+        dict: ``peak_bytes``, ``state_bytes``, ``num_params`` and the
+        (non-interleaved) step times in ms of this phase as ``isolated_step_ms``.
     """
     clean_slate()
-    model, opt, step_fn = build(mode, args)
-    times = [timed(step_fn, x, y) for _ in range(max(args.warmup, 1) + 2)]
+    model, opt, step_fn = build(mode, args, progress)
+    times = [timed(step_fn, x, y)[0] for _ in range(memory_steps(args))]
     out = {
         "peak_bytes": mx.get_peak_memory(),
-        "state_bytes": state_bytes(opt),
+        "state_bytes": lm.state_bytes(opt),
+        "num_params": lm.num_params(model),
         "isolated_step_ms": times,
     }
     del model, opt, step_fn
@@ -257,30 +325,35 @@ def memory_phase(mode: str, args, x, y) -> dict:
     return out
 
 
-def timing_phase(args, x, y):
+def timing_phase(args, x, y, progress=None):
     """Time DDP and FSDP steps in alternating blocks (ABBA order).
 
     Args:
-        args (argparse.Namespace): The options.
+        args (argparse.Namespace): One point of the sweep.
         x (mlx.core.array): This rank's inputs.
         y (mlx.core.array): This rank's targets.
+        progress (Progress, optional): Advanced after every step. Default: ``None``.
 
     Returns:
-        tuple: ``(times, max_param_diff)`` with ``times[mode]`` the list of
-        timed step durations in ms, and the largest absolute difference between
-        the two models' parameters at the end.
+        tuple: ``(times, holds, max_param_diff)`` with ``times[mode]`` the
+        timed step durations and ``holds[mode]`` how long ``opt.update`` held
+        the caller in those steps, in ms, and the largest absolute difference
+        between the two models' parameters at the end.
     """
-    built = {m: build(m, args) for m in MODES}
+    built = {m: build(m, args, progress) for m in MODES}
     for m in MODES:
         for _ in range(args.warmup):
             built[m][2](x, y)
     times = {m: [] for m in MODES}
+    holds = {m: [] for m in MODES}
     i = 0
     while any(len(t) < args.steps for t in times.values()):
         for m in (MODES if i % 2 == 0 else MODES[::-1]):
             built[m][2](x, y)  # the block's first step runs after the other mode: untimed
             for _ in range(min(args.block, args.steps - len(times[m]))):
-                times[m].append(timed(built[m][2], x, y))
+                ms, held = timed(built[m][2], x, y)
+                times[m].append(ms)
+                holds[m].append(held)
         i += 1
     diff = max(
         mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
@@ -288,7 +361,7 @@ def timing_phase(args, x, y):
             tree_flatten(built["ddp"][0].parameters()), tree_flatten(built["fsdp"][0].parameters())
         )
     )
-    return times, diff
+    return times, holds, diff
 
 
 def gather(group, values):
@@ -299,40 +372,58 @@ def gather(group, values):
     return rows.tolist()
 
 
-def run_config(cfg, group, x, y) -> dict:
+def device_label() -> str:
+    """The device the steps run on, as MLX names its type: ``cpu`` or ``gpu``."""
+    return mx.default_device().type.name
+
+
+def describe(cfg) -> str:
+    """The model of one point, for the table: ``MLP 4x512, batch 32`` or ``GPT 4x256, ...``."""
+    if cfg.model == "gpt":
+        return f"GPT {cfg.layers}x{cfg.width}, {cfg.heads} heads, batch {cfg.batch}x{cfg.seq_len}"
+    return f"MLP {cfg.layers}x{cfg.width}, batch {cfg.batch}"
+
+
+#: Per mode, the figures gathered from every rank (the table shows the maximum over ranks).
+COLUMNS = ("step_ms_median", "update_ms_median", "peak_mb", "state_mb")
+
+
+def run_config(cfg, group, x, y, progress=None) -> dict:
     """Measure one point of the sweep on every rank; rank 0 gets the full record.
 
     Returns:
-        dict: Per mode ``step_ms_median``, ``peak_mb``, ``state_mb`` (max over
+        dict: Per mode ``step_ms_median``, ``update_ms_median`` (how long
+        ``opt.update`` held the caller), ``peak_mb``, ``state_mb`` (max over
         ranks) and per-rank rows, plus ``ratios`` and ``max_param_diff``.
     """
-    mem = {m: memory_phase(m, cfg, x, y) for m in MODES}
-    times, diff = timing_phase(cfg, x, y)
+    mem = {m: memory_phase(m, cfg, x, y, progress) for m in MODES}
+    times, holds, diff = timing_phase(cfg, x, y, progress)
     local = []
     for m in MODES:
-        local += [statistics.median(times[m]), mem[m]["peak_bytes"] / MB, mem[m]["state_bytes"] / MB]
+        local += [statistics.median(times[m]), statistics.median(holds[m]),
+                  mem[m]["peak_bytes"] / MB, mem[m]["state_bytes"] / MB]
     rows = gather(group, local)
     worst = [max(r[i] for r in rows) for i in range(len(local))]  # max over ranks, per column
-    res = {"hidden": cfg.hidden, "layers": cfg.layers, "dtype": cfg.dtype,
-           "communication_size": cfg.communication_size,
-           "num_params": cfg.layers * (cfg.hidden * cfg.hidden + cfg.hidden),
-           "max_param_diff": diff}
+    k = len(COLUMNS)
+    res = {"device": device_label(), "model": cfg.model, "width": cfg.width, "layers": cfg.layers,
+           "batch": cfg.batch, "dtype": cfg.dtype, "communication_size": cfg.communication_size,
+           "num_params": mem["ddp"]["num_params"], "max_param_diff": diff}
+    if cfg.model == "gpt":
+        res.update(dims=cfg.width, heads=cfg.heads, seq_len=cfg.seq_len)
+    else:
+        res.update(hidden=cfg.width)
     for j, m in enumerate(MODES):
-        ms, peak, st = worst[3 * j : 3 * j + 3]
         res[m] = {
-            "step_ms_median": ms,
-            "peak_mb": peak,
-            "state_mb": st,
+            **dict(zip(COLUMNS, worst[k * j : k * j + k])),
             "state_bytes_per_rank": mem[m]["state_bytes"],
-            "per_rank": [
-                {"step_ms_median": r[3 * j], "peak_mb": r[3 * j + 1], "state_mb": r[3 * j + 2]}
-                for r in rows
-            ],
+            "per_rank": [dict(zip(COLUMNS, r[k * j : k * j + k])) for r in rows],
             "rank0_step_ms": times[m],
+            "rank0_update_ms": holds[m],
         }
     d, f = res["ddp"], res["fsdp"]
     res["ratios"] = {
         "time": f["step_ms_median"] / d["step_ms_median"],
+        "update": f["update_ms_median"] / d["update_ms_median"],
         "peak_memory": f["peak_mb"] / d["peak_mb"],
         "state_bytes": f["state_bytes_per_rank"] / d["state_bytes_per_rank"],
     }
@@ -347,18 +438,21 @@ def _bucket(size: int) -> str:
     return f"{size / MB:g} MiB" if size >= MB else f"{size / 1024:g} KiB"
 
 
-def markdown(results) -> str:
-    """The sweep as one markdown table: a row per (model, dtype, bucket)."""
+def markdown(results, cfgs) -> str:
+    """The sweep as one markdown table: a row per (device, model, dtype, bucket)."""
     lines = [
-        "| params | dtype | bucket | DDP ms | FSDP ms | time FSDP/DDP | DDP peak MiB | "
-        "FSDP peak MiB | peak FSDP/DDP | DDP state MiB/rank | FSDP state MiB/rank | state FSDP/DDP |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| device | model | params | dtype | bucket | DDP ms | FSDP ms | time FSDP/DDP | "
+        "DDP update ms | FSDP update ms | DDP peak MiB | FSDP peak MiB | peak FSDP/DDP | "
+        "DDP state MiB/rank | FSDP state MiB/rank | state FSDP/DDP |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results:
+    for r, cfg in zip(results, cfgs):
         d, f, q = r["ddp"], r["fsdp"], r["ratios"]
         lines.append(
-            f"| {_count(r['num_params'])} | {r['dtype']} | {_bucket(r['communication_size'])} | "
+            f"| {r['device']} | {describe(cfg)} | {_count(r['num_params'])} | {r['dtype']} | "
+            f"{_bucket(r['communication_size'])} | "
             f"{d['step_ms_median']:.1f} | {f['step_ms_median']:.1f} | {q['time']:.3f} | "
+            f"{d['update_ms_median']:.2f} | {f['update_ms_median']:.2f} | "
             f"{d['peak_mb']:.1f} | {f['peak_mb']:.1f} | {q['peak_memory']:.3f} | "
             f"{d['state_mb']:.2f} | {f['state_mb']:.2f} | {q['state_bytes']:.3f} |"
         )
@@ -368,37 +462,36 @@ def markdown(results) -> str:
 def main(argv=None):
     """Run the sweep and print (rank 0) one table row per configuration."""
     args = parse_args(argv)
-    group = mx.distributed.init()
+    if args.cpu:
+        mx.set_default_device(mx.cpu)
+    group = lm.init_distributed()
     rank, n = group.rank(), group.size()
-    launched = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
-    if n == 1 and launched > 1:
-        print(
-            f"warning: launched as {launched} MPI processes but MLX formed a group of 1 "
-            "(is MLX's MPI backend available? mx.distributed.is_available('mpi')); "
-            "every process runs alone.",
-            file=sys.stderr,
-        )
+    device = f"{device_label()} ({mx.device_info().get('device_name', 'unnamed')})"
     # A collective probe on the first call: every rank must make it.
     method = mlx_fsdp.reduce_scatter_method(group) if n > 1 else "none (one process)"
+    cfgs = configs(args)
     results = []
-    for cfg in configs(args):
+    for i, cfg in enumerate(cfgs):
+        point = (f"{describe(cfg)} {cfg.dtype} bucket {_bucket(cfg.communication_size)}")
+        progress = Progress(f"[{i + 1}/{len(cfgs)}] {point}", total_steps(cfg), enabled=rank == 0)
         x, y = make_batch(cfg, rank)
-        results.append(run_config(cfg, group, x, y))
+        results.append(run_config(cfg, group, x, y, progress))
         if rank == 0:
-            r = results[-1]
-            print(f"  {_count(r['num_params'])} {cfg.dtype} bucket {_bucket(cfg.communication_size)}: "
-                  f"time {r['ratios']['time']:.3f}x, peak {r['ratios']['peak_memory']:.3f}x, "
-                  f"state {r['ratios']['state_bytes']:.3f}x (FSDP/DDP)", file=sys.stderr, flush=True)
+            q = results[-1]["ratios"]
+            print(f"  {_count(results[-1]['num_params'])} {point}: time {q['time']:.3f}x, "
+                  f"update hold {q['update']:.3f}x, peak {q['peak_memory']:.3f}x, "
+                  f"state {q['state_bytes']:.3f}x (FSDP/DDP)", file=sys.stderr, flush=True)
     if rank != 0:
         return
     header = (
-        f"world size {n}; MLP {args.layers} x width, batch {args.batch}/rank, AdamW lr {args.lr}, "
+        f"world size {n}; device {device}; batch is rows per rank; AdamW lr {args.lr}, "
         f"max_norm {args.max_norm if args.max_norm > 0 else None}; FSDP reduce-scatter: {method}; "
         f"{args.steps} timed + {args.warmup} warm-up steps per mode (in blocks of {args.block}); "
+        f"update = time opt.update holds the caller (median); "
         f"ms and MiB are the max over ranks; ideal state ratio 1/N = {1 / n:.3f}"
     )
-    publish(header, markdown(results), args.markdown, args.json,
-            {"world_size": n, "config": vars(args), "reduce_scatter_method": method,
+    publish(header, markdown(results, cfgs), args.markdown, args.json,
+            {"world_size": n, "device": device, "config": vars(args), "reduce_scatter_method": method,
              "mlx_version": mx.__version__, "results": results})
 
 

@@ -256,6 +256,9 @@ def add_training_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("distributed")
     g.add_argument("--communication-size", type=parse_size, default=32 * 1024**2,
                    help="bucket size, e.g. 32MiB or 1048576 (default 32MiB)")
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="a rank that waits this many seconds in a collective prints where and "
+                   "exits with code 124, so the launcher stops the job; 0 disables (default 300)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--log-every", type=int, default=10,
                    help="rank 0 prints a progress line every this many steps (default 10)")
@@ -276,8 +279,8 @@ def check_args(p: argparse.ArgumentParser, args):
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
     if args.dims % args.heads:
         p.error(f"--dims={args.dims} must divide by --heads={args.heads}.")
-    if args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0:
-        p.error("--max-norm, --warmup-steps and --save-every must be >= 0.")
+    if args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0 or args.timeout < 0:
+        p.error("--max-norm, --warmup-steps, --save-every and --timeout must be >= 0.")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LR[args.optimizer]
 
@@ -288,6 +291,17 @@ def check_args(p: argparse.ArgumentParser, args):
 def schedule(peak: float, warmup: int, steps: int, floor: float = 0.1):
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor * peak``.
 
+    Steps count from 0. Steps ``0 .. warmup - 1`` ramp up to ``peak``; the
+    cosine then runs from ``peak`` at step ``warmup`` to ``floor * peak`` at
+    step ``steps - 1``, the run's last step, whenever at least two steps
+    follow the warm-up (with fewer there is no decay to run).
+
+    Args:
+        peak (float): The highest learning rate.
+        warmup (int): Warm-up steps.
+        steps (int): Total optimizer steps of the run.
+        floor (float): The last step's rate as a fraction of ``peak``. Default: ``0.1``.
+
     Returns:
         Callable: ``step -> learning rate``, usable as an MLX optimizer's
         ``learning_rate`` (the optimizer passes its 0-based step count).
@@ -296,10 +310,44 @@ def schedule(peak: float, warmup: int, steps: int, floor: float = 0.1):
     def lr(step):
         step = mx.array(step).astype(mx.float32)
         warm = mx.minimum((step + 1) / max(warmup, 1), 1.0)
-        progress = mx.clip((step - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+        # The decay spans steps warmup .. steps - 1, hence steps - 1 - warmup intervals.
+        progress = mx.clip((step - warmup) / max(steps - 1 - warmup, 1), 0.0, 1.0)
         return peak * warm * (floor + (1 - floor) * 0.5 * (1 + mx.cos(math.pi * progress)))
 
     return lr
+
+
+def schedules(args) -> dict:
+    """The learning-rate schedules of ``args``: ``{"lr": ...}``, plus ``"muon lr"`` for Muon.
+
+    With ``--optimizer muon`` the hidden matrices follow ``--muon-learning-rate``
+    and everything else ``--learning-rate``, on the same warm-up and decay.
+    """
+    out = {"lr": schedule(args.learning_rate, args.warmup_steps, args.steps)}
+    if args.optimizer == "muon":
+        out["muon lr"] = schedule(args.muon_learning_rate, args.warmup_steps, args.steps)
+    return out
+
+
+def schedule_settings(args) -> dict:
+    """The flags that shape the learning-rate schedule, as stored in checkpoints."""
+    keys = ["optimizer", "learning_rate", "warmup_steps", "steps"]
+    if args.optimizer == "muon":
+        keys.append("muon_learning_rate")
+    return {k: getattr(args, k) for k in keys}
+
+
+def describe_rates(args) -> str:
+    """The peak rates for a header line: ``adamw lr 0.003``, or both of Muon's."""
+    if args.optimizer == "muon":
+        return (f"muon lr {args.muon_learning_rate:g} (hidden matrices), "
+                f"adamw lr {args.learning_rate:g} (the rest)")
+    return f"{args.optimizer} lr {args.learning_rate:g}"
+
+
+def plural(count: int, noun: str, suffix: str = "s") -> str:
+    """``"1 rank"``, ``"2 ranks"``."""
+    return f"{count} {noun}{'' if count == 1 else suffix}"
 
 
 def _muon_param(path: str, weight) -> bool:
@@ -310,7 +358,8 @@ def _muon_param(path: str, weight) -> bool:
 
 def make_optimizer(args) -> optim.Optimizer:
     """The plain MLX optimizer ``--optimizer`` names, on the warm-up/cosine schedule."""
-    lr = schedule(args.learning_rate, args.warmup_steps, args.steps)
+    rates = schedules(args)
+    lr = rates["lr"]
     name = args.optimizer
     if name == "adamw":
         return optim.AdamW(learning_rate=lr, weight_decay=0.01)
@@ -321,7 +370,7 @@ def make_optimizer(args) -> optim.Optimizer:
     if name == "adafactor":
         return optim.Adafactor(learning_rate=lr, relative_step=False, scale_parameter=False)
     if name == "muon":
-        muon = optim.Muon(learning_rate=schedule(args.muon_learning_rate, args.warmup_steps, args.steps))
+        muon = optim.Muon(learning_rate=rates["muon lr"])
         return optim.MultiOptimizer([muon, optim.AdamW(learning_rate=lr, weight_decay=0.01)],
                                     [_muon_param])
     raise ValueError(f"--optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}.")
@@ -336,7 +385,8 @@ def distributed_optimizer(mode: str, args, group):
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
     kwargs = {"group": group, "communication_size": args.communication_size,
-              "max_norm": args.max_norm if args.max_norm > 0 else None}
+              "max_norm": args.max_norm if args.max_norm > 0 else None,
+              "timeout": args.timeout if args.timeout > 0 else None}
     if args.grad_accumulation_steps > 1:
         kwargs["grad_accumulation_steps"] = args.grad_accumulation_steps
         if mode == "fsdp":
@@ -365,6 +415,36 @@ def _latest_checkpoint(directory: str):
     return max(steps) if steps else None
 
 
+def schedule_change(saved: dict, args, step: int):
+    """What changes when a run saved with schedule ``saved`` resumes at ``step`` under ``args``.
+
+    Args:
+        saved (dict): :func:`schedule_settings` of the saved run, or ``None``
+            for a checkpoint that did not record it.
+        args (argparse.Namespace): This run's flags.
+        step (int): The first (0-based) step this run takes.
+
+    Returns:
+        str: A warning naming the settings that differ and the rates at
+        ``step`` under both schedules, or ``None`` when nothing differs.
+    """
+    now = schedule_settings(args)
+    if not saved or saved == now:
+        return None
+    changed = [k for k in now if saved.get(k) != now[k]]
+    flags = {k: f"--{k.replace('_', '-')}" for k in changed}
+    old = argparse.Namespace(**{**vars(args), **saved})
+    then = schedules(old) if saved.get("optimizer") == args.optimizer else {}
+    rates = [f"{name} {rate(step).item():.2e} (saved run's schedule: {then[name](step).item():.2e})"
+             for name, rate in schedules(args).items() if name in then]
+    length = "the schedule's length differs from the saved run's" if saved.get("steps") != args.steps \
+        else "the schedule differs from the saved run's"
+    return (f"{length} ({', '.join(f'{flags[k]} {saved.get(k)} -> {now[k]}' for k in changed)}); "
+            f"the learning rate follows this run's flags from step {step + 1}" +
+            (f": {', '.join(rates)}" if rates else "") + ". To continue the saved schedule, resume with " +
+            " ".join(f"{flags[k]} {saved.get(k)}" for k in changed) + ".")
+
+
 def _max_over_ranks(value: float, group) -> float:
     if group.size() == 1:
         return value
@@ -374,8 +454,9 @@ def _max_over_ranks(value: float, group) -> float:
 def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag: str = None):
     """Train one model with ``mode`` and return what happened.
 
-    Rank 0 prints a progress line every ``--log-every`` steps. Every rank must
-    call this (the loss is all-summed every step).
+    Rank 0 prints a progress line every ``--log-every`` steps, the path of
+    each checkpoint it saves, and a warning when it resumes a run saved with
+    another schedule. Every rank must call this (the loss is all-summed every step).
 
     Args:
         mode (str): ``"ddp"`` or ``"fsdp"``.
@@ -387,7 +468,7 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
 
     Returns:
         dict: ``loss`` (global mean per optimizer step), ``step_ms``,
-        ``tokens_per_s``, ``lr``, ``peak_memory`` (bytes, max over ranks),
+        ``tokens_per_s``, ``lr`` (and ``muon_lr`` with Muon), ``peak_memory`` (bytes, max over ranks),
         ``state_bytes`` (this rank's optimizer state), ``params``, ``first_step``.
     """
     rank, n = group.rank(), group.size()
@@ -401,21 +482,25 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
     model = make_model(args)
     opt = distributed_optimizer(mode, args, group)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
-    lr_at = schedule(args.learning_rate, args.warmup_steps, args.steps)
+    rates = schedules(args)
 
     start = 0
     if args.resume:
         last = _latest_checkpoint(checkpoint_dir)
         if last is not None:
-            mlx_fsdp.load_checkpoint(os.path.join(checkpoint_dir, f"step_{last:06d}"), model, opt)
+            manifest = mlx_fsdp.load_checkpoint(os.path.join(checkpoint_dir, f"step_{last:06d}"),
+                                                model, opt)
             start = last
             if rank == 0:
                 print(f"[{tag}] resumed from {checkpoint_dir}/step_{last:06d}", flush=True)
+                warning = schedule_change((manifest.get("user") or {}).get("schedule"), args, last)
+                if warning:
+                    print(f"[{tag}] warning: {warning}", file=sys.stderr, flush=True)
         elif rank == 0:
             print(f"[{tag}] no checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
 
     tokens_per_step = args.batch_size * args.seq_len * k
-    out = {"loss": [], "step_ms": [], "tokens_per_s": [], "lr": [],
+    out = {"loss": [], "step_ms": [], "tokens_per_s": [], **{k.replace(" ", "_"): [] for k in rates},
            "params": num_params(model), "first_step": start}
     for step in range(start, args.steps):
         tic = time.perf_counter()
@@ -434,18 +519,23 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
         out["loss"].append(loss)
         out["step_ms"].append(ms)
         out["tokens_per_s"].append(tokens_per_step / (ms / 1e3))
-        out["lr"].append(lr_at(step).item())
+        for name, rate in rates.items():
+            out[name.replace(" ", "_")].append(rate(step).item())
         done = step + 1
         if rank == 0 and (done % args.log_every == 0 or done == args.steps or step == start):
             window = out["step_ms"][-args.log_every:]
             mean_ms = sum(window) / len(window)
             print(f"[{tag}] step {done:5d} | loss {loss:7.4f} | "
                   f"{tokens_per_step / (mean_ms / 1e3):9.0f} tok/s | {mean_ms:7.1f} ms/step | "
-                  f"peak {mx.get_peak_memory() / 1024**2:7.1f} MiB | lr {out['lr'][-1]:.2e}",
+                  f"peak {mx.get_peak_memory() / 1024**2:7.1f} MiB | " +
+                  " | ".join(f"{name} {out[name.replace(' ', '_')][-1]:.2e}" for name in rates),
                   flush=True)
         if args.save_every and (done % args.save_every == 0 or done == args.steps):
             os.makedirs(checkpoint_dir, exist_ok=True)
-            mlx_fsdp.save_checkpoint(os.path.join(checkpoint_dir, f"step_{done:06d}"), model, opt)
+            path = os.path.join(checkpoint_dir, f"step_{done:06d}")
+            mlx_fsdp.save_checkpoint(path, model, opt, metadata={"schedule": schedule_settings(args)})
+            if rank == 0:
+                print(f"[{tag}] saved {path}", flush=True)
 
     out["state_bytes"] = state_bytes(opt)
     out["peak_memory"] = int(_max_over_ranks(float(mx.get_peak_memory()), group))

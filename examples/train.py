@@ -6,11 +6,17 @@ nothing is downloaded; ``--data PATH`` takes a text file or a folder instead.
 every batch, so the result does not depend on the number of ranks.
 
     mlx.launch -n 2 --backend ring -- python examples/train.py            # 2 local ranks
-    mpirun -n 4 python examples/train.py --mode ddp                       # MPI
     python examples/train.py --steps 20                                   # one process
+    MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \
+        -x MLX_MPI_LIBNAME -n 4 python examples/train.py --mode ddp       # MPI, as root on Debian
+
+(On Debian, MLX finds Open MPI only as ``libmpi.so.40``, which ``-x`` passes
+to every rank; Open MPI refuses root without ``--allow-run-as-root`` and more
+ranks than cores without ``--oversubscribe``. Drop what your system does not need.)
 
 Rank 0 prints a line every ``--log-every`` steps (step, loss averaged over all
-ranks, tokens/s, step time, peak memory, learning rate) and a summary at the end.
+ranks, tokens/s, step time, peak memory, learning rate; with Muon both rates),
+the path of every checkpoint it saves, and a summary at the end.
 """
 
 import argparse
@@ -39,10 +45,10 @@ def main(argv=None):
     data = lm.load_corpus(args.data, args.max_data_bytes)
     rank, n = group.rank(), group.size()
     if rank == 0:
-        print(f"{args.mode}: {n} rank(s); {len(data) / 1e6:.1f} MB of text from "
+        print(f"{args.mode}: {lm.plural(n, 'rank')}; {len(data) / 1e6:.1f} MB of text from "
               f"{args.data or 'the Python standard library'}; global batch {args.batch_size} x "
-              f"{args.seq_len} bytes x {args.grad_accumulation_steps} micro-batch(es); "
-              f"{args.optimizer} lr {args.learning_rate:g}; {args.dtype}", flush=True)
+              f"{args.seq_len} bytes x {lm.plural(args.grad_accumulation_steps, 'micro-batch', 'es')}; "
+              f"{lm.describe_rates(args)}; {args.dtype}", flush=True)
     run = lm.train(args.mode, args, data, group)
     if rank == 0 and run["loss"]:
         times = run["step_ms"][1:] or run["step_ms"]  # the first step includes set-up

@@ -14,6 +14,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .collectives import reduce_scatter_method, supports_sum_scatter
+from .control import PeerLost, RankMismatch
 from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
 from .fsdp import ShardedOptimizer, fsdp_step
@@ -32,6 +33,8 @@ __all__ = [
     "load_checkpoint",
     "consolidate_checkpoint",
     "CheckpointError",
+    "RankMismatch",
+    "PeerLost",
     "register_placement",
     "ShardedOptimizer",
     "ReplicatedOptimizer",

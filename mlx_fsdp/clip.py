@@ -1,8 +1,11 @@
 """Global-norm clipping shared by the sharded and the replicated step."""
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ._trees import like
 
 
 def sum_of_squares(arrays: Sequence[mx.array]) -> mx.array:
@@ -24,9 +27,7 @@ def sum_of_squares(arrays: Sequence[mx.array]) -> mx.array:
     return total if isinstance(total, mx.array) else mx.array(total, mx.float32)
 
 
-def global_norm(
-    arrays: Sequence[mx.array], group: Optional[mx.distributed.Group] = None
-) -> mx.array:
+def global_norm(arrays: Sequence[mx.array], group=None, *, order=None, stream=None) -> mx.array:
     """The L2 norm of arrays whose elements are split over ``group``.
 
     Args:
@@ -34,6 +35,11 @@ def global_norm(
             must be held by exactly one rank of ``group``.
         group (mlx.core.distributed.Group, optional): The group the elements
             are split over; ``None`` means they are all local. Default: ``None``.
+        order (CollectiveOrder, optional): Chains the norm's collective after
+            the step's previous one (see :mod:`mlx_fsdp.collectives`).
+            Default: ``None``.
+        stream (mlx.core.Stream, optional): Stream of the collective.
+            Default: ``None``.
 
     Returns:
         array: The float32 norm, the same on every rank.
@@ -43,7 +49,12 @@ def global_norm(
         # Every rank sums the same gathered values in the same order, so the
         # norm agrees across ranks. On ring a small all_sum has a fixed cost
         # of several ms that all_gather does not have (see collectives.py).
-        squares = mx.distributed.all_gather(squares.reshape(1), group=group).sum()
+        if order is not None:
+            squares = order.chain(squares)
+        squares = mx.distributed.all_gather(squares.reshape(1), group=group, stream=stream)
+        if order is not None:
+            order.ran(squares)
+        squares = squares.sum()
     return mx.sqrt(squares)
 
 
@@ -69,17 +80,6 @@ def clip_by_norm(
     return [(a * scale).astype(a.dtype) for a in arrays]
 
 
-def check_max_norm(max_norm):
-    """Raise a clear error for a ``max_norm`` that cannot be a norm bound."""
-    if max_norm is None:
-        return
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
-        raise ValueError(
-            f"max_norm={max_norm!r} must be a non-negative number (or None to "
-            "disable clipping)."
-        )
-
-
 def clip_tree(tree, max_norm: float):
     """Clip a tree of full (unsharded) arrays by its global norm.
 
@@ -90,10 +90,6 @@ def clip_tree(tree, max_norm: float):
     Returns:
         tuple: The clipped tree and its norm before clipping.
     """
-    from mlx.utils import tree_flatten
-
-    from ._trees import like
-
     arrays = [a for _, a in tree_flatten(tree)]
     norm = global_norm(arrays)
     return like(tree, clip_by_norm(arrays, norm, max_norm)), norm

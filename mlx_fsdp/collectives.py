@@ -1,33 +1,41 @@
-"""Reduce-scatter and all-gather that work on every MLX backend.
+"""Reduce-scatter and all-gather of a bucket's flat vector, on every MLX backend.
 
 NCCL and JACCL implement ``mx.distributed.sum_scatter``; ring and MPI do not,
 and they only say so when the graph is evaluated. A group's capability is
-therefore learned once, with a tiny evaluated probe, and the step then builds
-either the native op or a fallback:
+therefore learned once, with a tiny evaluated probe, and the step then uses
+one of three methods on the same input, the bucket's flat vector of
+``N * cols`` elements (see :mod:`mlx_fsdp.plan`):
 
+* ``"native"``: ``sum_scatter`` of the vector.
 * ``"exchange"``, for a group of two ranks: each rank all-gathers the half it
   does not keep, so it receives exactly the peer's contribution to its own
   half and adds it. That is a true reduce-scatter: it moves half the bytes of
   an all-sum, and on the ring backend it also avoids ``all_sum``'s fixed cost
   (ring N=2 on the 2-core development machine: 3.7 ms for a 32 KiB
-  ``all_sum`` against 0.4 ms for an ``all_gather``, and 7.9 against 1.1 ms at
-  2 MiB; ``benchmarks/bench_collectives.py``). Two-term sums do not depend on
-  the order, so it is bit-identical to ``all_sum``.
-* ``"all_sum"``, for any size: all-sum, then keep this rank's part.
-
-(:func:`reduce_scatter` works on the ``(N, cols)`` layout; the step's own
-fallbacks, :func:`mlx_fsdp.step.reduce_bucket`, skip the packed copy.)
+  ``all_sum`` against 0.4 ms for an ``all_gather``;
+  ``benchmarks/bench_collectives.py``). Two-term sums do not depend on the
+  order, so it is bit-identical to ``all_sum``.
+* ``"all_sum"``, for any size: all-sum the vector, keep this rank's shard.
 
 A neighbour send/recv ring was tried as the fallback and dropped: on ring N=2
 it took 2.2x the time of all_sum for a 32 MB bucket, and on MPI its sends must
 run on a second stream (a second thread), which Open MPI without
 MPI_THREAD_MULTIPLE answered with a segfault at N=3.
+
+Every rank must run its collectives in the same order, while MLX schedules
+independent parts of a graph as it sees fit, and the graphs of two ranks
+differ where they hold different things (owner buckets, arrays evaluated
+earlier on one rank only). A :class:`CollectiveOrder` therefore chains each
+collective's input after the previous collective's output.
 """
 
 import os
 from typing import Optional
 
 import mlx.core as mx
+
+from . import layout
+from .layout import join
 
 #: Ways to reduce-scatter, in the order :func:`reduce_scatter_method` prefers.
 METHODS = ("native", "exchange", "all_sum")
@@ -41,9 +49,10 @@ ENV_VAR = "MLX_FSDP_REDUCE_SCATTER"
 # turn a "no" into a wrong "yes" in practice, and a wrong "yes" would fail loudly.
 _native_cache: dict = {}
 
-def _probe_native(group: mx.distributed.Group) -> bool:
-    # All ranks reach this point together (first step of the same plan), so on
-    # NCCL the probe is a matched collective; on ring/MPI it fails locally at
+
+def _probe_native(group) -> bool:
+    # All ranks reach this point together (first step of a plan), so on NCCL
+    # the probe is a matched collective; on ring/MPI it fails locally at
     # eval, before anything is sent.
     try:
         mx.eval(mx.distributed.sum_scatter(mx.zeros((group.size(),)), group=group))
@@ -52,7 +61,7 @@ def _probe_native(group: mx.distributed.Group) -> bool:
         return False
 
 
-def supports_sum_scatter(group: mx.distributed.Group) -> bool:
+def supports_sum_scatter(group) -> bool:
     """Whether ``group``'s backend implements ``sum_scatter``.
 
     The answer is probed once per group (one tiny collective) and cached.
@@ -69,9 +78,7 @@ def supports_sum_scatter(group: mx.distributed.Group) -> bool:
     return _native_cache[key]
 
 
-def reduce_scatter_method(
-    group: mx.distributed.Group, method: Optional[str] = None
-) -> str:
+def reduce_scatter_method(group, method: Optional[str] = None) -> str:
     """Choose how to reduce-scatter over ``group``.
 
     The choice, in order: the ``method`` argument, then the
@@ -92,7 +99,7 @@ def reduce_scatter_method(
         method = os.environ.get(ENV_VAR) or None
         source = ENV_VAR
     if method is None or method == "auto":
-        if supports_sum_scatter(group):
+        if group.size() > 1 and supports_sum_scatter(group):
             return "native"
         return "exchange" if group.size() == 2 else "all_sum"
     if method not in METHODS:
@@ -108,47 +115,84 @@ def reduce_scatter_method(
     return method
 
 
-def reduce_scatter(
-    x: mx.array,
-    group: mx.distributed.Group,
-    *,
-    method: str = "native",
-    stream: Optional[mx.Stream] = None,
-) -> mx.array:
-    """Sum ``x`` over ``group`` and return this rank's row of the sum.
+def reduce_scatter(vector: mx.array, group, *, method: str = "native",
+                   stream: Optional[mx.Stream] = None) -> mx.array:
+    """Sum a flat vector over ``group`` and return this rank's shard of the sum.
 
     Args:
-        x (array): An array of shape ``(N, cols)``, ``N`` the group size.
+        vector (array): ``N * cols`` elements, ``N`` the group size; rank
+            ``r``'s shard is elements ``[r * cols, (r + 1) * cols)``.
         group (mlx.core.distributed.Group): The group to reduce over.
-        method (str): ``"native"`` (``sum_scatter``), ``"exchange"`` (two
-            ranks: swap the other's row, see :func:`exchange`) or ``"all_sum"``
-            (all-reduce, then take this rank's row). Default: ``"native"``.
+        method (str): ``"native"``, ``"exchange"`` (two ranks) or
+            ``"all_sum"``, see the module docstring. Default: ``"native"``.
         stream (mlx.core.Stream, optional): Stream for the communication.
             Default: ``None``.
 
     Returns:
-        array: This rank's row of the sum, shape ``(cols,)``.
+        array: This rank's ``(cols,)`` shard of the sum.
     """
-    n = group.size()
+    n, rank = group.size(), group.rank()
     if n == 1:
-        return x[0]
+        return vector
+    cols = vector.shape[0] // n
     if method == "native":
-        return mx.distributed.sum_scatter(x, group=group, stream=stream)[0]
+        return mx.distributed.sum_scatter(vector, group=group, stream=stream)
     if method == "exchange":
-        rank = group.rank()
-        return x[rank] + exchange(x[1 - rank], group, stream=stream)
+        peer = 1 - rank
+        theirs = exchange(vector[peer * cols:(peer + 1) * cols], group, stream=stream)
+        return vector[rank * cols:(rank + 1) * cols] + theirs
     if method == "all_sum":
-        return mx.distributed.all_sum(x, group=group, stream=stream)[group.rank()]
+        return mx.distributed.all_sum(vector, group=group, stream=stream)[rank * cols:(rank + 1) * cols]
     raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}.")
 
 
-def exchange(
-    x: mx.array, group: mx.distributed.Group, *, stream: Optional[mx.Stream] = None
-) -> mx.array:
+def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder",
+                  stream: Optional[mx.Stream] = None, dp_group=None) -> list:
+    """Reduce-scatter one bucket: the summed gradient of what this rank holds.
+
+    Args:
+        bucket (Bucket): The bucket (see :mod:`mlx_fsdp.plan`).
+        grads (list[array]): This rank's full gradients, indexed by ``Slot.index``.
+        group (mlx.core.distributed.Group): The shard group.
+        method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
+        order (CollectiveOrder): Chains the collectives of the step.
+        stream (mlx.core.Stream, optional): Stream for the communication.
+            Default: ``None``.
+        dp_group (mlx.core.distributed.Group, optional): Replicas to all-sum
+            over as well (hybrid sharding). Default: ``None``.
+
+    Returns:
+        list: ``(slot, summed gradient)`` for what this rank holds of each
+        slot (see :func:`mlx_fsdp.layout.held`), summed over all ranks.
+    """
+    n, rank = group.size(), group.rank()
+    dtype = getattr(mx, bucket.dtype)
+    if method == "exchange" and n == 2:
+        # Send only the half the peer keeps; add what comes back to this rank's
+        # own pieces one by one, so that neither the whole bucket nor this
+        # rank's half is ever copied into a vector of its own.
+        sent = order.join(layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
+        got = order.ran(exchange(sent, group, stream=stream))
+        held = [(s, own + theirs) for (s, own), (_, theirs) in
+                zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
+    else:
+        vector = order.join(layout.pack_parts(bucket, grads, n), dtype)
+        shard = order.ran(reduce_scatter(vector, group, method=method, stream=stream))
+        held = layout.held(bucket, shard, rank)
+    if dp_group is None:
+        return held
+    values = {s.index: a for s, a in held}
+    summed = order.ran(mx.distributed.all_sum(
+        order.join(layout.held_parts(bucket, values, rank, dtype), dtype),
+        group=dp_group, stream=stream))
+    return layout.held(bucket, summed, rank)
+
+
+def exchange(x: mx.array, group, *, stream: Optional[mx.Stream] = None) -> mx.array:
     """Send ``x`` to the other rank of a two-rank group and return what it sent.
 
     Built on ``all_gather``, which every backend has: of the two gathered
-    rows, this rank keeps the peer's.
+    halves, this rank keeps the peer's.
 
     Args:
         x (array): A 1-D array; the peer must pass one of the same shape and dtype.
@@ -165,24 +209,74 @@ def exchange(
             f"{group.size()}; use all_sum or all_gather for larger groups."
         )
     both = mx.distributed.all_gather(x, group=group, stream=stream)
-    return both[x.shape[0] :] if group.rank() == 0 else both[: x.shape[0]]
+    return both[x.shape[0]:] if group.rank() == 0 else both[:x.shape[0]]
 
 
-def all_gather(
-    x: mx.array, group: mx.distributed.Group, *, stream: Optional[mx.Stream] = None
-) -> mx.array:
-    """Gather each rank's ``(cols,)`` shard into an ``(N, cols)`` array.
+def all_gather(shard: mx.array, group, *, stream: Optional[mx.Stream] = None) -> mx.array:
+    """Every rank's ``(cols,)`` shard, concatenated in rank order: the flat vector.
 
     Args:
-        x (array): This rank's shard, shape ``(cols,)``.
+        shard (array): This rank's shard.
         group (mlx.core.distributed.Group): The group to gather over.
         stream (mlx.core.Stream, optional): Stream for the communication.
             Default: ``None``.
 
     Returns:
-        array: The shards of all ranks stacked in rank order.
+        array: The ``N * cols`` vector.
     """
-    n = group.size()
-    if n == 1:
-        return x[None]
-    return mx.distributed.all_gather(x, group=group, stream=stream).reshape(n, -1)
+    if group.size() == 1:
+        return shard
+    return mx.distributed.all_gather(shard, group=group, stream=stream)
+
+
+class CollectiveOrder:
+    """Keeps a step's collectives in one order on every rank.
+
+    Each collective's input is made to depend on the previous collective's
+    output, so it runs only after it, whatever order MLX would otherwise pick
+    for independent parts of the graph. Without it, two independent
+    all-gathers evaluated in opposite orders on two ranks returned each
+    other's data (seen on ring N=2, eager and compiled).
+
+    The dependency also sets the schedule. MLX evaluates a graph depth first,
+    an array's inputs in order, so a concatenation that builds a collective's
+    input takes the previous output as its *first* part (an empty slice,
+    free): the previous collective then completes before this one's input
+    buffer is even allocated, and one bucket's buffers are freed before the
+    next bucket's exist. An input that is a view (a lone array) costs
+    nothing to compute early and is chained with ``mx.depends``.
+    """
+
+    def __init__(self, group=None, traced: bool = False):
+        # A step starts after the last collective of the group's previous
+        # step, so that two steps built before one evaluation (two models, or
+        # async_eval of one step while the next is built) stay in order too.
+        # Traced values never cross from one trace (or graph) to another.
+        self._key = None if group is None or traced else id(group)
+        self._last: Optional[mx.array] = _last_of_group.get(self._key)
+
+    def join(self, parts, dtype) -> mx.array:
+        """Concatenate ``parts`` into a collective's input, after the last collective."""
+        if self._last is not None and len(parts) > 1:
+            parts = [self._last.reshape(-1)[:0]] + list(parts)
+        return self.chain(join(parts, dtype))
+
+    def chain(self, x: mx.array) -> mx.array:
+        """``x``, to be used only after the last collective (``mx.depends``).
+
+        A concatenation from :meth:`join` already depends on it; this adds
+        the dependency where ``x`` is a view or an optimizer's output.
+        """
+        return x if self._last is None else mx.depends(x, self._last)
+
+    def ran(self, output: mx.array) -> mx.array:
+        """Record ``output`` as the last collective's; return it."""
+        self._last = output
+        if self._key is not None:
+            _last_of_group[self._key] = output.reshape(-1)[:0]
+        return output
+
+
+# The last collective each group's steps built (an empty slice of it: the
+# dependency, not the data). Keyed by id(group), as _native_cache is.
+_last_of_group: dict = {}

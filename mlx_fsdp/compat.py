@@ -4,14 +4,13 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .hybrid import check_hybrid
-from .placement import resolve
-from .sharded import apply_sharded, check_state_fits
-from .wrapper import group_or_global
+from .fsdp import ShardedOptimizer
+from .options import make_options
 
-# Plans already checked across ranks, per group object (see collectives.py for
-# why groups are keyed by id).
-_verified: dict = {}
+# One wrapper per optimizer (by id): it keeps what the step needs besides the
+# optimizer's own state (the plan, the micro-step counter), and is replaced
+# when the call's options change.
+_wrappers: dict = {}
 
 
 def fsdp_apply_gradients(
@@ -30,7 +29,9 @@ def fsdp_apply_gradients(
     Code written for ``mlx.nn.fsdp_apply_gradients`` keeps working after
     changing only the import. Unlike the original, array sizes need not divide
     by the world size, gradients may mix dtypes, and it runs on every backend
-    (ring and MPI through a fallback for the reduce-scatter, see :mod:`mlx_fsdp.collectives`).
+    (ring and MPI through a fallback for the reduce-scatter, see
+    :mod:`mlx_fsdp.collectives`). Its arguments are validated like those of
+    :func:`mlx_fsdp.fsdp_step`.
 
     The optimizer keeps this rank's shard state between calls, so pass the same
     optimizer every step. :func:`mlx_fsdp.fsdp_step` is the same step behind an
@@ -48,7 +49,7 @@ def fsdp_apply_gradients(
         communication_size (int): Bucket byte budget. Default: ``32 MiB``.
         communication_stream (mlx.core.Stream, optional): Stream for the
             collectives. Default: ``None``.
-        max_norm (float, optional): Clip to this global norm. Default: ``None``.
+        max_norm (float, optional): Clip to this global norm (> 0). Default: ``None``.
         placement (optional): ``"flat"``, ``"owner"``, a callable or a list per
             sub-optimizer, as in :func:`mlx_fsdp.fsdp_step`. Default: ``None``
             (decided from the optimizer).
@@ -58,20 +59,12 @@ def fsdp_apply_gradients(
         ``(parameters, grad_norm)`` when ``max_norm`` is given, ``grad_norm``
         being the global norm before clipping.
     """
-    group = group_or_global(fsdp_group)
-    check_hybrid(group, dp_group)
-    resolve(optimizer, placement)
-    new, norm, _ = apply_sharded(
-        gradients,
-        parameters,
-        optimizer,
-        group=group,
-        dp_group=dp_group,
-        communication_size=communication_size,
-        max_norm=max_norm,
-        stream=communication_stream,
-        verified=_verified.setdefault(id(group), set()),
-        on_plan=lambda plan: check_state_fits(plan, optimizer, group.rank()),
-        placement=placement,
-    )
-    return new if max_norm is None else (new, norm)
+    options = make_options(
+        optimizer, sharded=True, group=fsdp_group, dp_group=dp_group,
+        communication_size=communication_size, communication_stream=communication_stream,
+        max_norm=max_norm, placement=placement)
+    wrapper = _wrappers.get(id(optimizer))
+    if wrapper is None or wrapper.optimizer is not optimizer or wrapper.options != options:
+        wrapper = _wrappers[id(optimizer)] = ShardedOptimizer(optimizer, options)
+    new = wrapper.apply_gradients(gradients, parameters)
+    return new if max_norm is None else (new, wrapper.grad_norm)

@@ -1,52 +1,115 @@
-"""Checking, before the first step, that every rank built the same plan.
+"""The per-step check that every rank takes the same step with the same settings.
 
-Ranks whose trees differ would issue collectives of different sizes and hang,
-or silently add unrelated numbers. One fixed-size all-gather of a plan summary
-turns that into an error on every rank.
+Ranks that disagree on the plan (a tree that changed on one rank), the
+optimizer class, a hyper-parameter, the learning rate of this step, the clip
+bound, accumulation or the step count would otherwise issue collectives of
+different sizes and hang, or train on with diverging parameters. Before a
+step's first collective, every rank sends these values in one fixed-size
+control message (:func:`mlx_fsdp.control.agree`), so a difference raises the
+same :class:`~mlx_fsdp.control.RankMismatch` on every rank, naming the
+setting and the ranks.
+
+Inside ``mx.compile`` the step's Python runs once, while tracing: the check
+then runs once per trace, on the settings (the step count and the learning
+rate are traced values and are left out).
 """
 
+import functools
+import hashlib
+from typing import Optional
+
 import mlx.core as mx
+import numpy as np
+import mlx.optimizers as optim
 
-from .plan import Plan
-
-
-def _summary(plan: Plan):
-    digest = plan.fingerprint()
-    # int32 keeps the gather portable across backends.
-    return [
-        int(digest[0:7], 16),
-        int(digest[7:14], 16),
-        plan.num_arrays % (1 << 31),
-        plan.num_elements % (1 << 31),
-    ]
+from . import control
+from .placement import sub_optimizers
+from .plan import dtype_name
+from .watchdog import watch
 
 
-def verify_plan(plan: Plan, group: mx.distributed.Group, group_name: str = "group"):
-    """Raise on every rank if the ranks of ``group`` built different plans.
+def _hyperparameters(optimizer) -> str:
+    # Public attributes with plain values (betas, eps, weight_decay...), the
+    # way the optimizer's own __init__ stored them.
+    fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(optimizer).items())
+                       if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple, list)))
+    return f"{type(optimizer).__name__}({fields})"
 
-    This evaluates one small all-gather, so every rank of ``group`` must call it
-    at the same point.
+
+def describe(optimizer) -> str:
+    """The optimizer's classes and hyper-parameters (not the learning rate), as text."""
+    if isinstance(optimizer, optim.MultiOptimizer):
+        return "MultiOptimizer[" + "; ".join(_hyperparameters(o) for o in optimizer.optimizers) + "]"
+    return _hyperparameters(optimizer)
+
+
+def learning_rates(optimizer) -> str:
+    """The learning rate(s) the next update uses, exactly (``repr`` of float32 values)."""
+    rates = []
+    for sub in sub_optimizers(optimizer):
+        schedule = getattr(sub, "_schedulers", {}).get("learning_rate")
+        lr = schedule(sub.step) if schedule is not None else sub.state.get("learning_rate")
+        # numpy's float32 text is the shortest that reads back as the same float32.
+        rates.append(str(np.float32(mx.array(lr).astype(mx.float32).item())) if lr is not None else "none")
+    return ",".join(rates)
+
+
+@functools.lru_cache(maxsize=64)
+def tree_fingerprint(signature: tuple) -> str:
+    """A digest of a gradient tree's signature (paths, shapes, dtypes)."""
+    return hashlib.sha256(repr(signature).encode()).hexdigest()
+
+
+def describe_tree(num_arrays: int, num_elements: int, fingerprint: str, extra: str = "") -> str:
+    """What a plan or tree is, as the mismatch message shows it."""
+    return f"{num_arrays} arrays, {num_elements} elements{extra} (#{fingerprint[:8]})"
+
+
+def check_step(opts, optimizer, tree: str, state, *, tracing: bool, dog=None):
+    """Raise on every rank unless all ranks take this step with the same settings.
+
+    Every rank of ``opts.group`` (and of ``opts.dp_group``) must call it at
+    the same point: it evaluates one small all-gather per group.
 
     Args:
-        plan (Plan): This rank's plan.
-        group (mlx.core.distributed.Group): The ranks that must agree.
-        group_name (str): How the error names the group. Default: ``"group"``.
+        opts (Options): The wrapper's options.
+        optimizer (mlx.optimizers.Optimizer): The wrapped optimizer.
+        tree (str): The plan (sharded) or the gradient tree (replicated), as
+            :func:`describe_tree` gives it.
+        state (WrapperState): The wrapper's state (micro-step counter).
+        tracing (bool): Inside ``mx.compile``: leave out the traced values.
+        dog (Watchdog, optional): Watches the wait. Default: ``None``.
 
     Raises:
-        ValueError: If any rank's plan differs from rank 0's.
+        mlx_fsdp.control.RankMismatch: If any field differs between ranks, or
+            the ranks are at different synchronization points.
     """
-    if group.size() == 1:
+    if opts.world_size == 1:
         return
-    local = mx.array(_summary(plan), dtype=mx.int32)
-    rows = mx.distributed.all_gather(local[None], group=group).tolist()
-    bad = [r for r, row in enumerate(rows) if row != rows[0]]
-    if bad:
-        details = ", ".join(
-            f"rank {r}: {row[2]} arrays, {row[3]} elements" for r, row in enumerate(rows)
-        )
-        raise ValueError(
-            f"The gradient trees differ across the ranks of the {group_name} "
-            f"(ranks {bad} built a different plan than rank 0; {details}). Every "
-            "rank must pass gradients with the same paths, shapes and dtypes, and "
-            "the same communication_size."
-        )
+    step: Optional[int] = None
+    micro: Optional[int] = None
+    rates: Optional[str] = None
+    if not tracing:
+        step = int(sub_optimizers(optimizer)[0].step.item())
+        micro = int(state["micro_step"].item())
+        rates = learning_rates(optimizer)
+    fields = {
+        "world size": opts.world_size,
+        "gradient tree and plan": tree,
+        "optimizer and hyper-parameters": describe(optimizer),
+        "learning rate of this step": rates,
+        "max_norm": None if opts.max_norm is None else float(opts.max_norm),
+        "grad_accumulation_steps": opts.grad_accumulation_steps,
+        "accumulation": opts.accumulation,
+        "master_dtype": dtype_name(opts.master_dtype) if opts.master_dtype else None,
+        "reduce_dtype": dtype_name(opts.reduce_dtype) if opts.reduce_dtype else None,
+        "optimizer step count": step,
+        "micro-batch count": micro,
+    }
+    where = f"the cross-rank check of step {step if step is not None else '(traced)'}"
+    hint = ("Launch every rank with the same flags and code, give every rank the same model, "
+            "and resume every rank from the same checkpoint.")
+    for group in (opts.group, opts.dp_group):
+        if group is not None:
+            with watch(dog, where):
+                control.agree(group, "update", fields, stream=opts.communication_stream, hint=hint)

@@ -1,12 +1,11 @@
 """``ddp_step``: the data-parallel baseline with the same interface as ``fsdp_step``."""
 
-from typing import Optional
+from mlx.utils import tree_unflatten
 
-import mlx.core as mx
-import mlx.nn as nn
-
-from . import _trees
-from .plain import plain_step
+from . import master
+from ._trees import match
+from .options import make_options
+from .plain import replicated_step
 from .wrapper import DistributedOptimizer
 
 
@@ -20,90 +19,42 @@ class ReplicatedOptimizer(DistributedOptimizer):
     full master copy of every parameter of another dtype.
     """
 
-    def __init__(
-        self,
-        optimizer,
-        *,
-        group=None,
-        communication_size: int = 32 * 1024**2,
-        max_norm: Optional[float] = None,
-        communication_stream: Optional[mx.Stream] = None,
-        master_dtype: Optional[mx.Dtype] = None,
-        reduce_dtype: Optional[mx.Dtype] = None,
-        grad_accumulation_steps: int = 1,
-    ):
-        super().__init__(
-            optimizer, group, max_norm, communication_size=communication_size,
-            communication_stream=communication_stream, master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
-        )
-
     def _step(self, gradients, parameters):
-        gradients = nn.average_gradients(
-            gradients, self.group, self.communication_size, self.communication_stream
-        )
-        new, norm = plain_step(
-            gradients,
-            parameters,
-            self.optimizer,
-            max_norm=self.max_norm,
-            masters=self._masters(),
-            master_dtype=self.master_dtype,
-        )
-        self._set_grad_norm(norm)
-        return new
+        return replicated_step(self.options, self.optimizer, self._state, gradients, parameters,
+                               dog=self._dog)
 
     def init(self, parameters):
         """Initialize the full optimizer state (as the wrapped optimizer does)."""
-        flat, flat_params = _trees.match(parameters, parameters)
-        self.optimizer.init(
-            _trees.like(parameters, self._initial_masters([k for k, _ in flat], flat_params))
-        )
+        flat, params = match(parameters, parameters)
+        paths = [p for p, _ in flat]
+        steps = master.initial(paths, params, self._state["master"], self.options.master_dtype)
+        self.optimizer.init(tree_unflatten(list(zip(paths, steps))))
 
 
-def ddp_step(
-    optimizer,
-    *,
-    group: Optional[mx.distributed.Group] = None,
-    communication_size: int = 32 * 1024**2,
-    max_norm: Optional[float] = None,
-    communication_stream: Optional[mx.Stream] = None,
-    master_dtype: Optional[mx.Dtype] = None,
-    reduce_dtype: Optional[mx.Dtype] = None,
-    grad_accumulation_steps: int = 1,
-) -> ReplicatedOptimizer:
+def ddp_step(optimizer, **options) -> ReplicatedOptimizer:
     """Wrap an optimizer for plain data parallelism (the baseline of ``fsdp_step``).
+
+    Gradients are averaged with :func:`mlx.nn.average_gradients`, clipped by
+    their global norm and given to the plain optimizer, whole, on every
+    rank. Like ``fsdp_step``, every step first checks across ranks that all
+    ranks take the same step with the same gradient tree and settings.
+
+    .. code-block:: python
+
+        opt = mlx_fsdp.ddp_step(optim.AdamW(learning_rate=3e-4), max_norm=1.0)
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer.
-        group (mlx.core.distributed.Group, optional): The data-parallel group;
-            ``None`` means the global group. Default: ``None``.
-        communication_size (int): Bucket size of the all-reduce in bytes.
-            Default: ``32 MiB``.
-        max_norm (float, optional): Clip the averaged gradients to this global
-            norm; the norm before clipping is then in ``opt.grad_norm``.
-            Default: ``None``.
-        communication_stream (mlx.core.Stream, optional): Stream for the
-            all-reduce. Default: ``None``.
-        master_dtype (Dtype, optional): Keep a full master copy of every
-            parameter of another dtype (e.g. float32 masters of a bfloat16
-            model) on every rank and run the optimizer on it. Default: ``None``.
-        reduce_dtype (Dtype, optional): All-reduce the gradients in this dtype.
-            Default: ``None`` (their own dtype).
-        grad_accumulation_steps (int): Average the gradients of this many
-            calls of ``update`` (micro-batches) and step on the last one; they
-            are summed locally and communicated once. Default: ``1``.
+        **options: The options of :func:`mlx_fsdp.fsdp_step` that data
+            parallelism has, with the same meanings and defaults: ``group``,
+            ``communication_size`` (the all-reduce's bucket size),
+            ``max_norm``, ``communication_stream``, ``master_dtype`` (a full
+            master copy of every parameter of another dtype, on every rank),
+            ``reduce_dtype``, ``grad_accumulation_steps`` (micro-batch
+            gradients summed locally and communicated once; inside
+            ``mx.compile``, every micro-batch) and ``timeout``.
 
     Returns:
         ReplicatedOptimizer: The wrapper.
     """
-    return ReplicatedOptimizer(
-        optimizer,
-        group=group,
-        communication_size=communication_size,
-        max_norm=max_norm,
-        communication_stream=communication_stream,
-        master_dtype=master_dtype,
-        reduce_dtype=reduce_dtype,
-        grad_accumulation_steps=grad_accumulation_steps,
-    )
+    return ReplicatedOptimizer(optimizer, make_options(optimizer, sharded=False, **options))

@@ -3,19 +3,15 @@
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 
-from . import _trees
-from . import placement as placement_rules
-from .hybrid import check_hybrid
-from .sharded import (
-    apply_sharded,
-    check_state_fits,
-    plan_for,
-    shard_tree,
-    sub_optimizers,
-    verify_once,
-)
-from .step import local_piece
+from . import control, layout, master
+from ._trees import match
+from .options import make_options
+from .placement import plan_for, sub_optimizers
+from .plain import replicated_step
+from .plan import Plan, single_process_plan
+from .step import sharded_step
 from .wrapper import DistributedOptimizer
 
 
@@ -26,118 +22,150 @@ class ShardedOptimizer(DistributedOptimizer):
     gradients are reduce-scattered, each rank updates its shard with the
     wrapped optimizer, and the updated shards are all-gathered.
 
-    The wrapped optimizer's state (``opt.state["optimizer"]``) holds, for each
-    sub-optimizer, ``state["shards"][path]``: this rank's ``(cols,)`` piece of
-    the parameter at ``path`` (row ``rank`` of its zero-padded ``(N, cols)``
-    layout, see :mod:`mlx_fsdp.plan`), so it depends on the world size but not
-    on ``communication_size``. With a single process it is exactly the plain
-    optimizer's state.
+    The wrapped optimizer's state holds, for each sub-optimizer,
+    ``state[path]``: the state of what this rank holds of the array at
+    ``path`` (see :mod:`mlx_fsdp.layout`): its 1-D piece of the rank's shard
+    of a flat bucket (so ``m`` and ``v`` are pieces), or, for an array this
+    rank owns, exactly the plain optimizer's state of the whole array. Arrays
+    this rank holds nothing of have no entry. With a single process it is
+    exactly the plain optimizer's state.
     """
 
-    def __init__(
-        self,
-        optimizer,
-        *,
-        group=None,
-        dp_group=None,
-        communication_size: int = 32 * 1024**2,
-        max_norm: Optional[float] = None,
-        communication_stream: Optional[mx.Stream] = None,
-        master_dtype: Optional[mx.Dtype] = None,
-        reduce_dtype: Optional[mx.Dtype] = None,
-        grad_accumulation_steps: int = 1,
-        accumulation: str = "local",
-        placement=None,
-    ):
-        super().__init__(
-            optimizer, group, max_norm, communication_size=communication_size,
-            communication_stream=communication_stream, master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
-            accumulation=accumulation,
-        )
-        placement_rules.resolve(optimizer, placement)
-        check_hybrid(self.group, dp_group)
-        self.dp_group = dp_group
-        self.placement = placement
-        self._verified = set()
-        self._plan = None
+    def __init__(self, optimizer, options):
+        super().__init__(optimizer, options)
+        self._plan: Optional[Plan] = None
 
     @property
-    def plan(self):
-        """The :class:`~mlx_fsdp.plan.Plan` of the last step (``None`` on one rank)."""
+    def plan(self) -> Plan:
+        """The :class:`~mlx_fsdp.plan.Plan` of the last step (or of :meth:`init`).
+
+        With one process it is a plan without buckets (the plain optimizer);
+        before the first step and ``init`` it is ``None``.
+        """
+        if self.options.world_size == 1:
+            return single_process_plan()
         return self._plan
 
     def _on_state_set(self):
         self._plan = None
 
-    def _check_same_plan(self, plan):
-        if self._plan is None:
-            check_state_fits(plan, self.optimizer, self.group.rank())
-            self._plan = plan
-        elif plan is not self._plan and plan != self._plan:
-            raise ValueError(
-                "The gradient tree changed since the optimizer state was built: "
-                f"it was for {self._plan.num_arrays} arrays ({self._plan.num_elements} "
-                f"elements), now there are {plan.num_arrays} ({plan.num_elements}). "
-                "The sharded state cannot follow; create a new fsdp_step for the "
-                "new tree (or call init with model.trainable_parameters())."
-            )
+    def _step(self, gradients, parameters):
+        if self.options.world_size == 1:
+            return replicated_step(self.options, self.optimizer, self._state, gradients,
+                                   parameters, dog=self._dog)
+        new, norm, plan = sharded_step(self.options, self.optimizer, self._state, gradients,
+                                       parameters, dog=self._dog)
+        self._adopt(plan)
+        return new, norm
 
-    accumulation_modes = ("local", "sharded")
-
-    def _step(self, gradients, parameters, **accumulate):
-        new, norm, _ = apply_sharded(
-            gradients,
-            parameters,
-            self.optimizer,
-            group=self.group,
-            dp_group=self.dp_group,
-            communication_size=self.communication_size,
-            max_norm=self.max_norm,
-            stream=self.communication_stream,
-            verified=self._verified,
-            on_plan=self._check_same_plan,
-            masters=self._masters(),
-            master_dtype=self.master_dtype,
-            placement=self.placement,
-            **accumulate,
-        )
-        if new is None:  # a micro-batch of sharded accumulation
-            return _trees.like(gradients, _trees.match(gradients, parameters)[1])
-        self._set_grad_norm(norm)
-        return new
+    def _adopt(self, plan: Plan):
+        """Keep ``plan``, or refuse it if the state was built for another one."""
+        if plan is self._plan:
+            return
+        if self._plan is not None and plan != self._plan:
+            if int(self.step.item()) > 0:
+                raise ValueError(
+                    "The gradient tree changed since the optimizer state was built: it was "
+                    f"for {self._plan.num_arrays} arrays ({self._plan.num_elements} elements), "
+                    f"now there are {plan.num_arrays} ({plan.num_elements}). The sharded state "
+                    "cannot follow; create a new fsdp_step for the new tree."
+                )
+            # No step yet: the state from init (e.g. of model.parameters(), frozen
+            # arrays included) was never used; the step builds it for its own tree.
+            for sub in sub_optimizers(self.optimizer):
+                for key in [k for k, v in sub.state.items() if isinstance(v, dict)]:
+                    del sub.state[key]
+                sub.state = sub.state  # uninitialized again: apply_gradients inits it
+            self._state["master"].clear()
+        check_state(plan, self.optimizer, self.options.group.rank())
+        self._plan = plan
 
     def init(self, parameters):
         """Initialize this rank's shard of the optimizer state.
 
         Optional, as with MLX optimizers; useful to see :attr:`state` before the
-        first step. Every rank must call it (it checks the plan across ranks).
+        first step. Every rank must call it. Like a plain optimizer's ``init``
+        it takes any superset of what will be trained: non-floating arrays
+        (quantized weights) are skipped, and if the first step's gradients
+        cover fewer arrays (frozen ones), the step rebuilds the state for them.
 
         Args:
-            parameters (dict): The trainable parameters, e.g.
-                ``model.trainable_parameters()``.
+            parameters (dict): The parameters, e.g. ``model.trainable_parameters()``
+                or ``model.parameters()``.
         """
-        n = self.group.size()
-        flat, flat_params = _trees.match(parameters, parameters)
-        if n * (self.dp_group.size() if self.dp_group is not None else 1) == 1:
-            self.optimizer.init(_trees.like(parameters, self._initial_masters(
-                [k for k, _ in flat], flat_params)))
+        flat, params = match(parameters, parameters)
+        floating = [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
+        if self.options.world_size == 1:
+            tree = {p: a for p, a in floating}
+            steps = master.initial(list(tree), list(tree.values()), self._state["master"],
+                                   self.options.master_dtype)
+            self.optimizer.init(tree_unflatten(list(zip(tree, steps))))
             return
-        plan = plan_for(
-            flat, flat_params, self.optimizer, n, self.communication_size, self.placement
-        )
-        verify_once(plan, self.group, self.dp_group, self._verified)
-        rank = self.group.rank()
+        plan = plan_for(floating, [a for _, a in floating], self.optimizer,
+                        self.options.group.size(), self.options.communication_size,
+                        self.options.placement)
+        control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
+                      stream=self.options.communication_stream,
+                      hint="Call init with the same parameters on every rank.")
+        init_held(plan, self.optimizer, [a for _, a in floating], self.options.group.rank(),
+                  self._state["master"], self.options.master_dtype)
+        self._plan = None
+        self._adopt(plan)
 
-        def piece(s):
-            p = flat_params[s.index]
-            return p if s.owner is not None else local_piece(s, p, rank)
 
-        for o, opt in enumerate(sub_optimizers(self.optimizer)):
-            pieces = shard_tree(plan, o, piece, rank)
-            steps = self._initial_masters(list(pieces), list(pieces.values()))
-            opt.init({"shards": dict(zip(pieces, steps))})
-        self._check_same_plan(plan)
+def init_held(plan: Plan, optimizer, values, rank: int, masters: dict, master_dtype=None):
+    """Initialize ``optimizer`` (and ``masters``) on what ``rank`` holds under ``plan``.
+
+    Lazy, like any MLX ``init``: on unevaluated arrays it allocates nothing,
+    which is how :mod:`mlx_fsdp.plan_memory` sizes a rank's state.
+
+    Args:
+        plan (Plan): The plan.
+        optimizer (mlx.optimizers.Optimizer): The wrapped optimizer.
+        values (list[array]): The full parameters, indexed by ``Slot.index``.
+        rank (int): The rank.
+        masters (dict): Receives the masters of what the rank holds.
+        master_dtype (Dtype, optional): As for :func:`fsdp_step`. Default: ``None``.
+    """
+    for o, sub in enumerate(sub_optimizers(optimizer)):
+        held = [(s.path, a) for b in plan.buckets if b.optimizer == o
+                for s, a in layout.held_of(b, values, rank)]
+        steps = master.initial([p for p, _ in held], [a for _, a in held], masters, master_dtype)
+        sub.init({p: a for (p, _), a in zip(held, steps)})
+
+
+def held_shapes(plan: Plan, rank: int, optimizer_index: int) -> dict:
+    """``{path: shape}`` of what ``rank`` holds of each array a sub-optimizer updates."""
+    out = {}
+    for b in plan.buckets:
+        if b.optimizer == optimizer_index:
+            for s in b.held(rank):
+                lo, hi = layout.held_range(b, s, rank)
+                out[s.path] = s.shape if b.owned else (hi - lo,)
+    return out
+
+
+def check_state(plan: Plan, optimizer, rank: int):
+    """Raise if ``optimizer`` holds sharded state made for another plan or rank.
+
+    A state made for another tree, world size or budget has pieces of other
+    lengths, which would fail deep inside the update or, worse, broadcast
+    silently; state of an owned array belongs on its owner only.
+    """
+    for o, sub in enumerate(sub_optimizers(optimizer)):
+        want = held_shapes(plan, rank, o)
+        have = {k: v for k, v in sub.state.items() if isinstance(v, dict)}
+        bad = sorted(set(have) - set(want))
+        bad += [path for path, entries in have.items() if path in want and len(want[path]) == 1
+                for v in entries.values()
+                if isinstance(v, mx.array) and v.ndim and v.shape != want[path]]
+        if bad:
+            raise ValueError(
+                f"The optimizer state does not fit this step's plan ({plan.num_arrays} arrays "
+                f"sharded over N={plan.world_size}; e.g. {bad[:3]}): it was made for another "
+                "gradient tree, world size or communication_size. Keep those fixed for one "
+                "optimizer, start from a fresh optimizer, or load a checkpoint, which reshards."
+            )
 
 
 def fsdp_step(
@@ -153,6 +181,7 @@ def fsdp_step(
     grad_accumulation_steps: int = 1,
     accumulation: str = "local",
     placement=None,
+    timeout: Optional[float] = None,
 ) -> ShardedOptimizer:
     """Wrap an optimizer so that its state and its work are sharded over ranks.
 
@@ -167,17 +196,20 @@ def fsdp_step(
         mx.eval(model.parameters(), opt.state)
 
     Each step buckets the gradients by dtype (at most ``communication_size``
-    bytes per bucket), lays every array out as ``(N, cols)`` with zero padding,
-    reduce-scatters each bucket, clips by the global norm, runs the optimizer on
-    this rank's shard and all-gathers the updated parameters. The first step
-    checks across ranks that every rank built the same plan.
+    bytes per bucket), lays each bucket out as one flat vector split into N
+    shards, reduce-scatters each bucket, clips by the global norm, runs the
+    optimizer on this rank's shards and all-gathers the updated parameters.
+    ``update`` only builds this graph; the caller's ``mx.eval`` runs it,
+    together with the forward and backward pass. Every step first checks,
+    with one small all-gather, that every rank takes the same step with the
+    same plan and settings.
 
     Element-wise optimizers (SGD, RMSprop, Adagrad, AdaDelta, Adam, AdamW,
-    Adamax, Lion, and Muon on 0-D/1-D arrays) run on flat ``1/N`` pieces of
-    every array. Shape-aware ones (Muon on >= 2-D arrays, Adafactor, and any
-    optimizer class mlx_fsdp does not know) run unmodified on whole arrays,
-    each kept on one owner rank chosen to balance the work (see
-    :mod:`mlx_fsdp.owners`). Both are exact.
+    Adamax, Lion, and Muon on 0-D/1-D arrays) update this rank's shard of
+    each bucket as one array. Shape-aware ones (Muon on >= 2-D arrays,
+    Adafactor, and any optimizer class mlx_fsdp does not know) run
+    unmodified on whole arrays, each kept on one owner rank chosen to
+    balance the work (see :mod:`mlx_fsdp.owners`). Both are exact.
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer, or a
@@ -190,12 +222,12 @@ def fsdp_step(
         communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
             array in its own bucket. Default: ``32 MiB``.
         max_norm (float, optional): Clip the averaged gradients to this global
-            norm; the norm before clipping is then in ``opt.grad_norm``.
+            norm (> 0); the norm before clipping is then in ``opt.grad_norm``.
             Default: ``None``.
         communication_stream (mlx.core.Stream, optional): Stream for the
             collectives. Default: ``None``.
         master_dtype (Dtype, optional): Keep master copies of this dtype (e.g.
-            ``mx.float32``) of this rank's pieces of every parameter of
+            ``mx.float32``) of this rank's shards of every parameter of
             another dtype, run the optimizer on them in that dtype, and
             all-gather the result in the parameter's dtype. Each rank holds
             1/N of the masters DDP holds. Default: ``None``.
@@ -208,29 +240,28 @@ def fsdp_step(
         accumulation (str): ``"local"`` sums the micro-batch gradients on
             each rank and communicates once (a full-size buffer);
             ``"sharded"`` reduce-scatters every micro-batch and keeps only
-            this rank's 1/N of the sum (k times the communication).
+            this rank's 1/N of the sum (k times the communication). Inside
+            ``mx.compile`` both reduce-scatter every micro-batch.
             Default: ``"local"``.
         placement (str, callable or list, optional): How arrays are placed:
-            ``"flat"`` (element-wise optimizers: 1/N of every array per rank),
+            ``"flat"`` (element-wise optimizers: 1/N of every bucket per rank),
             ``"owner"`` (whole arrays on owner ranks), a callable
             ``(path, shape) -> "flat" | "owner"``, or a list with one of those
             (or ``None``) per sub-optimizer of a ``MultiOptimizer``. ``None``
             decides from the optimizer's class (see
             :func:`mlx_fsdp.register_placement`). Default: ``None``.
+        timeout (float, optional): Seconds a rank may wait in the step's
+            collectives before a watchdog prints where it waits and ends the
+            process (exit code 124), so that the launcher stops a job whose
+            peer died or stopped (see :mod:`mlx_fsdp.watchdog`).
+            Default: ``None`` (no watchdog).
 
     Returns:
         ShardedOptimizer: The wrapper.
     """
-    return ShardedOptimizer(
-        optimizer,
-        group=group,
-        dp_group=dp_group,
-        communication_size=communication_size,
-        max_norm=max_norm,
-        communication_stream=communication_stream,
-        master_dtype=master_dtype,
-        reduce_dtype=reduce_dtype,
-        grad_accumulation_steps=grad_accumulation_steps,
-        accumulation=accumulation,
-        placement=placement,
-    )
+    return ShardedOptimizer(optimizer, make_options(
+        optimizer, sharded=True, group=group, dp_group=dp_group,
+        communication_size=communication_size, max_norm=max_norm,
+        communication_stream=communication_stream, master_dtype=master_dtype,
+        reduce_dtype=reduce_dtype, grad_accumulation_steps=grad_accumulation_steps,
+        accumulation=accumulation, placement=placement, timeout=timeout))

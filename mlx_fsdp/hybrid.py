@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .wrapper import group_or_global
+from .options import group_or_global
 
 
 def hybrid_groups(
@@ -51,17 +51,3 @@ def hybrid_groups(
             "Launch with MPI or NCCL, or shard over all ranks (no dp_group)."
         ) from e
     return shard, replica
-
-
-def check_hybrid(group: mx.distributed.Group, dp_group: Optional[mx.distributed.Group]):
-    """Raise if ``group`` x ``dp_group`` does not tile the world exactly once."""
-    if dp_group is None:
-        return
-    world = group_or_global(None).size()
-    if group.size() * dp_group.size() != world:
-        raise ValueError(
-            f"The shard group has {group.size()} ranks and dp_group has "
-            f"{dp_group.size()}, but their product must be the world size {world} "
-            "(each rank in exactly one shard and one replica group). Make both "
-            "with mlx_fsdp.hybrid_groups(shard_size)."
-        )

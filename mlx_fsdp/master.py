@@ -17,29 +17,13 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 
-def check_dtype(name: str, dtype) -> None:
-    """Raise a clear error unless ``dtype`` is ``None`` or a floating dtype."""
-    if dtype is None:
-        return
-    if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
-        raise ValueError(
-            f"{name}={dtype!r} must be a floating mlx dtype such as mx.float32 "
-            "(or None to keep the gradients' or parameters' own dtype)."
-        )
-
-
 def has_master(param_dtype: mx.Dtype, master_dtype: Optional[mx.Dtype]) -> bool:
     """Whether a parameter of ``param_dtype`` is stepped through a master copy."""
     return master_dtype is not None and param_dtype != master_dtype
 
 
-def lift(
-    paths: Sequence[str],
-    params: Sequence[mx.array],
-    grads: Sequence[mx.array],
-    masters: Dict[str, mx.array],
-    master_dtype: Optional[mx.Dtype],
-):
+def lift(paths: Sequence[str], params: Sequence[mx.array], grads: Sequence[mx.array],
+         masters: Dict[str, mx.array], master_dtype: Optional[mx.Dtype]):
     """What the optimizer steps: masters for low-precision parameters.
 
     A parameter without a master yet (first step, or a checkpoint without
@@ -56,25 +40,13 @@ def lift(
     Returns:
         tuple: The parameters and gradients to give the optimizer.
     """
-    if master_dtype is None:
-        return list(params), list(grads)
-    out_p, out_g = [], []
-    for path, p, g in zip(paths, params, grads):
-        if has_master(p.dtype, master_dtype):
-            p = masters.get(path, p.astype(master_dtype))
-            g = g.astype(master_dtype)
-        out_p.append(p)
-        out_g.append(g)
-    return out_p, out_g
+    up = [has_master(p.dtype, master_dtype) for p in params]
+    steps = [masters.get(k, p.astype(master_dtype)) if u else p for k, p, u in zip(paths, params, up)]
+    return steps, [g.astype(master_dtype) if u else g for g, u in zip(grads, up)]
 
 
-def lower(
-    paths: Sequence[str],
-    new: Sequence[mx.array],
-    param_dtypes: Sequence[mx.Dtype],
-    masters: Dict[str, mx.array],
-    master_dtype: Optional[mx.Dtype],
-):
+def lower(paths: Sequence[str], new: Sequence[mx.array], param_dtypes: Sequence[mx.Dtype],
+          masters: Dict[str, mx.array], master_dtype: Optional[mx.Dtype]):
     """Store the updated masters and return the parameters in their own dtypes.
 
     Args:
@@ -87,15 +59,9 @@ def lower(
     Returns:
         list[array]: The new parameters (or pieces), each in its own dtype.
     """
-    if master_dtype is None:
-        return list(new)
-    out = []
-    for path, v, dtype in zip(paths, new, param_dtypes):
-        if has_master(dtype, master_dtype):
-            masters[path] = v
-            v = v.astype(dtype)
-        out.append(v)
-    return out
+    down = [has_master(dtype, master_dtype) for dtype in param_dtypes]
+    masters.update((k, v) for k, v, d in zip(paths, new, down) if d)
+    return [v.astype(dtype) if d else v for v, dtype, d in zip(new, param_dtypes, down)]
 
 
 def initial(

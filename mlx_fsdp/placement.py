@@ -1,4 +1,6 @@
-"""Where each array is updated: as flat shards on every rank, or whole on one owner.
+"""Where each array is updated, and the plan of a tree: the rules that build it.
+
+Each array is updated as flat shards on every rank, or whole on one owner.
 
 An element-wise optimizer updates every element from that element's gradient
 and state alone, so running it on any slice of a flattened array is exact:
@@ -11,15 +13,18 @@ registry keyed by the optimizer's exact class (a subclass may override
 ``apply_single`` with shape-aware math, so it does not inherit its parent's
 entry). An optimizer missing from the registry gets ``"owner"``, the choice
 that is exact for any per-array update, and a warning once per class.
+
+:func:`plan_for` applies these rules (and a ``MultiOptimizer``'s filters) to
+a gradient tree and builds its :class:`~mlx_fsdp.plan.Plan`.
 """
 
 import warnings
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
+import mlx.core as mx
 import mlx.optimizers as optim
 
-FLAT = "flat"
-OWNER = "owner"
+from .plan import FLAT, OWNER, Plan, Signature, build_plan, dtype_name
 
 #: A placement: ``"flat"``, ``"owner"``, or ``rule(path, shape) -> "flat" | "owner"``.
 Rule = Union[str, Callable[[str, Tuple[int, ...]], str]]
@@ -157,3 +162,84 @@ def placements(rules: Sequence[Rule], flat_grads, optimizer_of: Sequence[int]) -
             )
         out.append(p)
     return out
+
+
+def sub_optimizers(optimizer) -> list:
+    """The optimizers that update buckets: a ``MultiOptimizer``'s parts, or itself."""
+    if isinstance(optimizer, optim.MultiOptimizer):
+        return list(optimizer.optimizers)
+    return [optimizer]
+
+
+def assign_optimizers(flat_grads, optimizer) -> List[int]:
+    """Which sub-optimizer updates each array.
+
+    ``MultiOptimizer`` filters are called with the full path and the full
+    gradient, exactly as ``MultiOptimizer`` itself calls them, never with a
+    shard. A filter must decide from the path and the shape: its answer fixes
+    the sharding plan, so an answer computed from the gradient's values (an
+    ``mx.array``) is refused.
+    """
+    if not isinstance(optimizer, optim.MultiOptimizer):
+        return [0] * len(flat_grads)
+    out = []
+    for path, g in flat_grads:
+        for i, fn in enumerate(optimizer.filters):
+            chosen = fn(path, g)
+            if isinstance(chosen, mx.array):
+                raise ValueError(
+                    f"MultiOptimizer filter {i} returned an mx.array for '{path}', "
+                    "so it depends on the gradient's values. The sharded step "
+                    "fixes which sub-optimizer (and which rank) updates each array "
+                    "once; decide from the path and the shape, e.g. "
+                    "lambda path, g: g.ndim >= 2 and 'embed' not in path."
+                )
+            if chosen:  # MLX appends a filter that accepts everything
+                out.append(i)
+                break
+    return out
+
+
+def signature_of(flat_grads, flat_params, optimizer_of=None, placement_of=None) -> Signature:
+    """The hashable description of a flat gradient tree that a plan is built from.
+
+    Args:
+        flat_grads (list): ``(path, gradient)`` pairs from ``tree_flatten``.
+        flat_params (list): The matching parameters, in the same order.
+        optimizer_of (list[int], optional): Sub-optimizer index of each array.
+            Default: all ``0``.
+        placement_of (list[str], optional): ``"flat"`` or ``"owner"`` for each
+            array. Default: all ``"flat"``.
+
+    Returns:
+        tuple: The signature.
+    """
+    optimizer_of = optimizer_of or [0] * len(flat_grads)
+    placement_of = placement_of or [FLAT] * len(flat_grads)
+    return tuple(
+        (path, tuple(g.shape), dtype_name(g.dtype), dtype_name(p.dtype), o, where)
+        for (path, g), p, o, where in zip(flat_grads, flat_params, optimizer_of, placement_of)
+    )
+
+
+def plan_for(flat_grads, flat_params, optimizer, world_size: int, communication_size: int,
+             placement=None) -> Plan:
+    """The (cached) plan for a flat gradient tree and an optimizer.
+
+    Args:
+        flat_grads (list): ``(path, gradient)`` pairs.
+        flat_params (list): The matching parameters.
+        optimizer (mlx.optimizers.Optimizer): Decides each array's
+            sub-optimizer (``MultiOptimizer`` filters) and placement.
+        world_size (int): Number of ranks.
+        communication_size (int): Bucket byte budget.
+        placement (optional): The ``placement=`` argument of
+            :func:`mlx_fsdp.fsdp_step`. Default: ``None`` (the registry).
+
+    Returns:
+        Plan: The plan.
+    """
+    optimizer_of = assign_optimizers(flat_grads, optimizer)
+    placement_of = placements(resolve(optimizer, placement), flat_grads, optimizer_of)
+    return build_plan(signature_of(flat_grads, flat_params, optimizer_of, placement_of),
+                      world_size, communication_size)

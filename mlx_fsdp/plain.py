@@ -1,55 +1,93 @@
-"""The unsharded step: clip, then the plain optimizer (through masters if asked).
+"""The replicated step, and the optimizer call both steps share.
 
-``ddp_step`` runs it after averaging the gradients, and ``fsdp_step`` runs it
-when there is a single process, where sharding has nothing to split.
+``ddp_step`` averages the gradients over the ranks (``mlx.nn.average_gradients``)
+and runs the plain optimizer on whole arrays; ``fsdp_step`` runs the same step
+on one process, where sharding has nothing to split, so that it is exactly
+plain MLX there.
 """
 
 from typing import Any, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import _trees, clip, master
+from . import accumulate, clip, consistency, master
+from ._trees import like, match
+from .placement import signature_of
 
 
-def plain_step(
-    gradients: Any,
-    parameters: Any,
-    optimizer,
-    *,
-    max_norm: Optional[float] = None,
-    masters: Optional[dict] = None,
-    master_dtype: Optional[mx.Dtype] = None,
-) -> Tuple[Any, Optional[mx.array]]:
-    """Clip ``gradients`` by their global norm and apply them with ``optimizer``.
+def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
+                    master_dtype: Optional[mx.Dtype], finish=True) -> Any:
+    """``optimizer.apply_gradients``, through master copies, kept only if ``finish``.
 
     Args:
-        gradients: The (already averaged) gradients.
-        parameters: The parameters, a superset of the gradients' paths.
-        optimizer (mlx.optimizers.Optimizer): The plain optimizer.
-        max_norm (float, optional): Clip to this norm. Default: ``None``.
-        masters (dict, optional): ``{path: master}``, updated in place.
-            Default: ``None``.
-        master_dtype (Dtype, optional): Step low-precision parameters through
-            masters of this dtype. Default: ``None``.
+        optimizer (mlx.optimizers.Optimizer): The (sub-)optimizer.
+        gradients: A tree of gradients.
+        parameters: A tree with a parameter for every gradient path.
+        masters (dict): ``{path: master}`` by the gradients' ``tree_flatten``
+            paths, updated in place (see :mod:`mlx_fsdp.master`).
+        master_dtype (Dtype, optional): Step parameters of other dtypes
+            through masters of this dtype.
+        finish (bool or array): ``True`` to step; a traced boolean (see
+            :mod:`mlx_fsdp.accumulate`) keeps the old optimizer state and
+            masters where it is false. Default: ``True``.
 
     Returns:
-        tuple: The updated parameters (shaped like ``gradients``) and the
-        norm before clipping (``None`` without ``max_norm``).
+        The new parameters, shaped like ``gradients``, in their own dtypes.
     """
+    flat_grads, flat_params = match(gradients, parameters)
+    keys = [k for k, _ in flat_grads]
+    steps, grads = master.lift(keys, flat_params, [g for _, g in flat_grads], masters, master_dtype)
+    if finish is not True:
+        optimizer.init(like(gradients, grads))
+        old_state, old_masters = accumulate.snapshot(optimizer.state), dict(zip(keys, steps))
+    new = optimizer.apply_gradients(like(gradients, grads), like(gradients, steps))
+    # By path: a MultiOptimizer returns its parts' results merged in its own order.
+    by_path = dict(tree_flatten(new))
+    new = master.lower(keys, [by_path[k] for k in keys], [p.dtype for p in flat_params],
+                       masters, master_dtype)
+    if finish is not True:
+        accumulate.restore(optimizer.state, accumulate.select(finish, optimizer.state, old_state))
+        for key in keys:
+            if key in masters:
+                masters[key] = mx.where(finish, masters[key], old_masters[key])
+    return like(gradients, new)
+
+
+def replicated_step(opts, optimizer, state, gradients, parameters, *,
+                    dog=None) -> Tuple[Optional[Any], Optional[mx.array]]:
+    """One step with the whole optimizer state on every rank.
+
+    Gradients are accumulated (``grad_accumulation_steps``), averaged over
+    ``opts.group`` with ``mlx.nn.average_gradients`` (nothing to do on one
+    process), clipped by their global norm (accumulated in float32, as in
+    the sharded step) and given to the plain optimizer.
+
+    Returns:
+        tuple: The new parameters shaped like ``gradients`` (``None`` on a
+        micro-batch that does not finish the step) and the norm before
+        clipping (``None`` without ``max_norm``).
+    """
+    flat_grads, flat_params = match(gradients, parameters)
+    traced = accumulate.is_traced(state["micro_step"])
+    if opts.world_size > 1:
+        tree = consistency.describe_tree(
+            len(flat_grads), sum(g.size for _, g in flat_grads),
+            consistency.tree_fingerprint(signature_of(flat_grads, flat_params)))
+        consistency.check_step(opts, optimizer, tree, state, tracing=traced, dog=dog)
+    k, finish = opts.grad_accumulation_steps, True
+    if k > 1:
+        sums, finish = accumulate.add(state, flat_grads, k, traced)
+        if finish is False:
+            return None, None
+        gradients = like(gradients, [s / k for s in sums])
+    if opts.group.size() > 1:
+        gradients = nn.average_gradients(gradients, opts.group, opts.communication_size,
+                                         opts.communication_stream)
     norm = None
-    if max_norm is not None:
-        gradients, norm = clip.clip_tree(gradients, max_norm)
-    if master_dtype is None:
-        return optimizer.apply_gradients(gradients, parameters), norm
-    flat_grads, flat_params = _trees.match(gradients, parameters)
-    paths = [k for k, _ in flat_grads]
-    steps, grads = master.lift(
-        paths, flat_params, [g for _, g in flat_grads], masters, master_dtype
-    )
-    new = optimizer.apply_gradients(_trees.like(gradients, grads), _trees.like(gradients, steps))
-    new = master.lower(
-        paths, [v for _, v in tree_flatten(new)], [p.dtype for p in flat_params],
-        masters, master_dtype,
-    )
-    return _trees.like(gradients, new), norm
+    if opts.max_norm is not None:
+        gradients, norm = clip.clip_tree(gradients, opts.max_norm)
+        state["grad_norm"] = accumulate.select(finish, norm, state["grad_norm"])
+    new = apply_optimizer(optimizer, gradients, parameters, state["master"], opts.master_dtype, finish)
+    return accumulate.select(finish, new, like(gradients, flat_params)), norm

@@ -57,7 +57,12 @@ def _free_ports(count: int) -> int:
     raise RuntimeError(f"found no {count} consecutive free TCP ports for the ring backend")
 
 
-def command(n: int, script: str, args, backend: str):
+#: Set for every rank: exactness tests compare float32 results, and MLX's CUDA
+#: build runs float32 matmuls in TF32 unless told otherwise.
+RANK_ENV = {"MLX_ENABLE_TF32": "0"}
+
+
+def command(n: int, script: str, args, backend: str, env_keys=()):
     path = os.path.join(WORKERS, script)  # an absolute script path is kept as is
     if n == 1:  # one plain process: no launcher (mpirun -n 1 aborts at exit)
         return [sys.executable, path, *args]
@@ -71,16 +76,19 @@ def command(n: int, script: str, args, backend: str):
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             pytest.fail("mpirun is not installed: apt-get install -y openmpi-bin (see .ci/run)")
-        return [mpirun, "--allow-run-as-root", "--oversubscribe", "-x", "MLX_MPI_LIBNAME",
-                "-x", "PYTHONPATH", "-n", str(n), sys.executable, path, *args]
+        exported = ["MLX_MPI_LIBNAME", "PYTHONPATH", *RANK_ENV, *env_keys]
+        return [mpirun, "--allow-run-as-root", "--oversubscribe",
+                *[a for k in exported for a in ("-x", k)], "-n", str(n), sys.executable, path, *args]
     raise ValueError(f"backend={backend!r} must be 'ring' or 'mpi'")
 
 
-def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str):
+def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, extra_env=None):
     """Run ``script`` on ``n`` ranks; return (returncode, output, command) or fail on a hang."""
     env = mpi_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = command(n, script, [str(a) for a in args], backend)
+    env.update(RANK_ENV)
+    env.update(extra_env or {})
+    cmd = command(n, script, [str(a) for a in args], backend, list(extra_env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)
     try:
@@ -97,7 +105,7 @@ def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str):
 
 
 def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: float = 240,
-              expect_failure: bool = False):
+              expect_failure: bool = False, env: dict = None):
     """Run ``tests/workers/<script>`` on ``n`` ranks and return rank 0's RESULT records.
 
     Args:
@@ -108,9 +116,10 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
         timeout: Seconds before the whole launch is killed and the test fails
             with a message naming the hang.
         expect_failure: Return (returncode, output) instead of asserting success.
+        env: Extra environment variables for every rank.
     """
     backend = backend or ("ring" if n == 2 else "mpi")
-    code, out, cmd = _launch(n, script, args, backend, timeout, WORKERS)
+    code, out, cmd = _launch(n, script, args, backend, timeout, WORKERS, env)
     if expect_failure:
         return code, out
     if code != 0:

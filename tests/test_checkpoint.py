@@ -91,16 +91,19 @@ def test_manifest_is_plain_json(saved_n2):
     assert m["mlx_version"] == mx.__version__
     assert len(m["plan"]["buckets"]) == 11
     mix = m["optimizers"][0]["parameters"]["mix"]
-    assert (mix["shape"], mix["cols"], mix["entries"]["m"]["kind"]) == ([7, 15], 53, "flat")
-    assert mix["entries"]["m"]["order"] == "F" and m["format_version"] == 2
+    entry = mix["entries"]["m"]
+    assert (mix["shape"], mix["size"], entry["kind"], entry["order"]) == ([7, 15], 105, "pieces", "F")
+    assert entry["ranks"] == [0, 1] and m["format_version"] == 3
     assert set(m["files"]) == {"model.safetensors", "optimizer-00000-of-00002.safetensors",
                                "optimizer-00001-of-00002.safetensors"}
-    # Rebuild one entry following only the manifest's layout note (order 'F':
-    # reshape to the reversed shape and transpose); it is plain MLX's state.
+    # Rebuild one entry following only the manifest's layout note (the holders'
+    # pieces in rank order; order 'F': reshape to the reversed shape and
+    # transpose); it is plain MLX's state.
     pieces = [mx.load(os.path.join(saved_n2, f"optimizer-0000{r}-of-00002.safetensors"))
-              ["state/0/mix/m"] for r in range(2)]
+              ["state/0/mix/m"] for r in entry["ranks"]]
+    assert [p.size for p in pieces] == [53, 52]
     assert "order 'F'" in m["layout"]["how_to_read"]
-    rebuilt = mx.concatenate(pieces)[:105].reshape(15, 7).T
+    rebuilt = mx.concatenate(pieces).reshape(15, 7).T
     _, ref = _plain_reference()
     assert mx.abs(rebuilt - ref.state["mix"]["m"]).max().item() <= 1e-5
 
@@ -322,16 +325,17 @@ def test_failed_write_on_one_rank_fails_every_rank(saved_n2, tmp_path):
 
 
 def _step_of_n2(path):
-    from mlx_fsdp.checkpoint.manifest import read_manifest, verify_files
+    from mlx_fsdp.checkpoint.reader import read_manifest, verify_files
 
     m = read_manifest(path)
     verify_files(path, m)
     return m["step"]
 
 
-def test_rebuild_reads_column_and_row_order_and_version_1_manifests(tmp_path):
+def test_rebuild_reads_every_format_and_version_1_manifests(tmp_path):
     from mlx_fsdp.checkpoint.layout import _rebuild
-    from mlx_fsdp.checkpoint.manifest import CheckpointError, read_manifest, shard_file
+    from mlx_fsdp.checkpoint.manifest import CheckpointError, shard_file
+    from mlx_fsdp.checkpoint.reader import read_manifest
 
     a = mx.arange(35, dtype=mx.float32).reshape(7, 5)
     by_columns = mx.concatenate([a.T.reshape(-1), mx.zeros(1)])  # 2 shards of 18
@@ -340,19 +344,24 @@ def test_rebuild_reads_column_and_row_order_and_version_1_manifests(tmp_path):
         files = {shard_file(r, 2): {"k": flat[18 * r:18 * (r + 1)]} for r in range(2)}
         entry.update(kind="flat", shape=[7, 5], source=0)
         assert mx.array_equal(_rebuild("k", entry, 35, files, 2), a), entry
+    # Format 3: the pieces of the ranks that hold some of the array, in order.
+    flat = a.T.reshape(-1)
+    files = {shard_file(0, 3): {}, shard_file(1, 3): {"k": flat[:10]}, shard_file(2, 3): {"k": flat[10:]}}
+    entry = {"kind": "pieces", "ranks": [1, 2], "order": "F", "shape": [7, 5]}
+    assert mx.array_equal(_rebuild("k", entry, 35, files, 3), a)
     # A version-1 manifest (no "order": rows throughout) is read; an unknown version is not.
     model, opt = make_model(bf16=False), mlx_fsdp.fsdp_step(make_optimizer("adamw"))
     train(model, opt, 1)
     mlx_fsdp.save_checkpoint(str(tmp_path / "ck"), model, opt)
     path = str(tmp_path / "ck" / "manifest.json")
     m = json.load(open(path))
-    for version, ok in ((1, True), (3, False)):
+    for version, ok in ((1, True), (4, False)):
         m["format_version"] = version
         json.dump(m, open(path, "w"))
         if ok:
             assert read_manifest(str(tmp_path / "ck"))["format_version"] == 1
         else:
-            with pytest.raises(CheckpointError, match="format_version=3; this mlx_fsdp reads versions 1, 2"):
+            with pytest.raises(CheckpointError, match="format_version=4; this mlx_fsdp reads versions 1, 2, 3"):
                 read_manifest(str(tmp_path / "ck"))
 
 
@@ -385,3 +394,55 @@ def test_shape_aware_state_round_trips_whole(tmp_path, make):
     train(model, opt, 1, start=2)
     train(model2, opt2, 1, start=2)
     assert by_key_diff(model.parameters(), model2.parameters()) == 0.0
+
+
+# --- weights="trainable": the frozen base is not copied into every checkpoint ---
+
+def _fine_tuned(seed):
+    """A model whose base is frozen (same weights for every seed) and whose head trains."""
+    model = make_model(seed=0, bf16=False)
+    model.freeze()
+    model.out.unfreeze()
+    mx.random.seed(seed)
+    model.out.update({"weight": mx.random.normal(model.out.weight.shape) * 0.1})
+    mx.eval(model.parameters())
+    return model
+
+
+def test_trainable_weights_only(tmp_path):
+    path = str(tmp_path / "adapter")
+    model, opt = _fine_tuned(1), make_optimizer("adamw")
+    train(model, opt, 2)
+    mlx_fsdp.save_checkpoint(path, model, opt, weights="trainable")
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    assert m["model"]["weights"] == "trainable" and m["format_version"] == 3
+    assert m["model"]["stored"] == ["out.weight", "out.bias"]
+    assert len(m["model"]["parameters"]) == len(tree_flatten(model.parameters()))
+    assert sorted(mx.load(os.path.join(path, "model.safetensors"))) == ["out.bias", "out.weight"]
+
+    # Loads into the same frozen base: the head and the state come back, the
+    # base keeps its own values.
+    model2, opt2 = _fine_tuned(2), make_optimizer("adamw")
+    model2.inp.weight = model2.inp.weight + 1  # not in the checkpoint: must stay
+    base = mx.array(model2.inp.weight)
+    mlx_fsdp.load_checkpoint(path, model2, opt2)
+    assert mx.array_equal(model2.inp.weight, base).item()
+    assert by_key_diff(model2.out.parameters(), model.out.parameters()) == 0.0
+    assert by_key_diff(opt2.state, opt.state) == 0.0
+    model2.inp.weight = model.inp.weight  # the same base: the run continues exactly
+    train(model, opt, 1, start=2)
+    train(model2, opt2, 1, start=2)
+    assert by_key_diff(model2.out.parameters(), model.out.parameters()) == 0.0
+
+    # The parameters it does not hold must still exist with the saved shapes.
+    model3, opt3 = _fine_tuned(2), make_optimizer("adamw")
+    model3.proj = mx.zeros((15, 4))
+    with pytest.raises(mlx_fsdp.CheckpointError, match=r"different model .*proj: \(15, 3\)"):
+        mlx_fsdp.load_checkpoint(path, model3, opt3)
+
+    # Consolidated: model.* holds the trainable parameters only.
+    out = mlx_fsdp.consolidate_checkpoint(path, str(tmp_path / "full"))
+    assert sorted(k for k in mx.load(out) if k.startswith("model.")) == ["model.out.bias",
+                                                                          "model.out.weight"]
+    with pytest.raises(ValueError, match="weights='some' must be 'all'"):
+        mlx_fsdp.save_checkpoint(path, model, opt, weights="some")

@@ -83,46 +83,48 @@ def test_unknown_method_is_a_clear_error(monkeypatch):
         collectives.reduce_scatter_method(FakeGroup(2, 0))
 
 
-def test_native_method_calls_sum_scatter_and_keeps_this_ranks_row(monkeypatch):
+def test_native_method_calls_sum_scatter_on_the_flat_vector(monkeypatch):
     seen = {}
 
     def fake_sum_scatter(x, group=None, stream=None):
         seen["shape"], seen["group"] = x.shape, group
-        return x[group.rank()][None] * 10
+        cols = x.shape[0] // group.size()
+        return x[group.rank() * cols:(group.rank() + 1) * cols] * 10
 
     monkeypatch.setattr(mx.distributed, "sum_scatter", fake_sum_scatter)
     g = FakeGroup(4, 2)
-    x = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    x = mx.arange(12, dtype=mx.float32)
     out = collectives.reduce_scatter(x, g, method="native")
-    assert seen == {"shape": (4, 3), "group": g}
+    assert seen == {"shape": (12,), "group": g}
     assert out.tolist() == [60.0, 70.0, 80.0]
 
 
-def test_all_sum_method_takes_this_ranks_row(monkeypatch):
+def test_all_sum_method_takes_this_ranks_shard(monkeypatch):
     monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: x * 2)
-    x = mx.arange(6, dtype=mx.float32).reshape(2, 3)
+    x = mx.arange(6, dtype=mx.float32)
     assert collectives.reduce_scatter(x, FakeGroup(2, 1), method="all_sum").tolist() == [6.0, 8.0, 10.0]
 
 
-def _fake_all_gather(peer_rows):
-    # What the other rank sends: all_gather stacks the two ranks' inputs.
+def _fake_all_gather(peer_half):
+    # What the other rank sends: all_gather concatenates the two ranks' inputs.
     def all_gather(x, group=None, stream=None):
-        rows = [x, peer_rows] if group.rank() == 0 else [peer_rows, x]
-        return mx.concatenate(rows)
+        parts = [x, peer_half] if group.rank() == 0 else [peer_half, x]
+        return mx.concatenate(parts)
     return all_gather
 
 
-def test_exchange_sends_the_peers_row_and_adds_what_comes_back(monkeypatch):
-    mine = mx.array([[1.0, 2.0], [3.0, 4.0]])  # this rank's (2, cols) gradient
-    peer = mx.array([[10.0, 20.0], [30.0, 40.0]])  # the other rank's
+def test_exchange_sends_the_peers_half_and_adds_what_comes_back(monkeypatch):
+    mine = mx.array([1.0, 2.0, 3.0, 4.0])  # this rank's bucket vector: two shards of 2
+    peer = mx.array([10.0, 20.0, 30.0, 40.0])  # the other rank's
     for rank in (0, 1):
         sent = {}
 
         def all_gather(x, group=None, stream=None):
-            sent["row"] = x.tolist()
-            return _fake_all_gather(peer[rank])(x, group, stream)
+            sent["half"] = x.tolist()
+            return _fake_all_gather(peer[2 * rank:2 * rank + 2])(x, group, stream)
 
         monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
         out = collectives.reduce_scatter(mine, FakeGroup(2, rank), method="exchange")
-        assert sent["row"] == mine[1 - rank].tolist(), "must send the row the peer keeps"
-        assert out.tolist() == (mine[rank] + peer[rank]).tolist()
+        other = 1 - rank
+        assert sent["half"] == mine[2 * other:2 * other + 2].tolist(), "must send the half the peer keeps"
+        assert out.tolist() == (mine[2 * rank:2 * rank + 2] + peer[2 * rank:2 * rank + 2]).tolist()

@@ -2,7 +2,10 @@
 
 The launches are real (ring at N=2, MPI at N=4, one plain process); the
 checks are on what the scripts print and write: a loss that does not depend
-on the number of ranks, FSDP losses equal to DDP's, valid JSON, markdown and
+on the number of ranks, FSDP losses equal to DDP's, a learning-rate schedule
+that ends at its floor, Muon's two rates, checkpoint paths and the warning on
+resuming with another schedule, the comparison's noise floor, the benchmark's
+GPT rows and update-hold columns, progress lines, valid JSON, markdown and
 PNG files.
 """
 
@@ -25,18 +28,19 @@ TINY = ["--batch-size", 4, "--seq-len", 16, "--dims", 16, "--layers", 1, "--head
         "--max-data-bytes", "256KiB", "--log-every", 1]
 PROGRESS = re.compile(
     r"^\[(ddp|fsdp)\] step\s+(\d+) \| loss\s+(\S+) \|\s+(\d+) tok/s \|\s+(\S+) ms/step \| "
-    r"peak\s+(\S+) MiB \| lr (\S+)$"
+    r"peak\s+(\S+) MiB \| lr (\S+)(?: \| muon lr (\S+))?$"
 )
 
 
 def progress(out: str):
-    """``{mode: [(step, loss, ms, peak MiB, lr), ...]}`` from rank 0's progress lines."""
+    """``{mode: [(step, loss, ms, peak MiB, lr, muon lr or None), ...]}`` from rank 0's progress lines."""
     runs = {}
     for line in out.splitlines():
         m = PROGRESS.match(line.strip())
         if m:
-            mode, step, loss, _, ms, peak, lr = m.groups()
-            runs.setdefault(mode, []).append((int(step), float(loss), float(ms), float(peak), float(lr)))
+            mode, step, loss, _, ms, peak, lr, muon = m.groups()
+            runs.setdefault(mode, []).append((int(step), float(loss), float(ms), float(peak), float(lr),
+                                              None if muon is None else float(muon)))
     return runs
 
 
@@ -64,6 +68,21 @@ def test_rank_slices_tile_the_global_batch():
     assert [p[0].tolist() for p in parts] == [x[2 * r:2 * r + 2].tolist() for r in range(4)]
     with pytest.raises(ValueError, match="must divide by the number of ranks 3"):
         lm.rank_slice((x, y), 0, 3)
+
+
+@pytest.mark.parametrize("peak,warmup,steps", [(3e-3, 5, 20), (1.0, 0, 10), (0.02, 2, 4)])
+def test_schedule_warms_up_then_decays_to_its_floor_on_the_last_step(peak, warmup, steps):
+    lr = lm.schedule(peak, warmup, steps)
+    rates = [lr(s).item() for s in range(steps)]
+    assert rates[-1] == pytest.approx(0.1 * peak, rel=1e-6)  # the last step is at the 10 % floor
+    assert rates[warmup] == pytest.approx(peak, rel=1e-6)
+    assert all(a > b for a, b in zip(rates[warmup:], rates[warmup + 1:])), rates
+    assert [pytest.approx((s + 1) / warmup * peak) for s in range(warmup)] == rates[:warmup]
+
+
+def test_plural():
+    assert lm.plural(1, "rank") == "1 rank" and lm.plural(2, "rank") == "2 ranks"
+    assert lm.plural(3, "micro-batch", "es") == "3 micro-batches"
 
 
 def test_communication_size_units():
@@ -104,19 +123,54 @@ def test_train_features_match_ddp_on_two_ranks(flags):
         assert math.isfinite(b[1]) and abs(a[1] - b[1]) <= tol, (a, b)
 
 
+def test_muon_logs_both_rates_down_to_the_floor():
+    # One process: the header and the progress lines are rank 0's either way.
+    out = run_script(1, "examples/train.py", ["--steps", 3, "--warmup-steps", 1, *TINY,
+                                              "--optimizer", "muon", "--muon-learning-rate", 0.02])
+    header = out.splitlines()[0]
+    assert "muon lr 0.02 (hidden matrices), adamw lr 0.003 (the rest)" in header, header
+    rows = progress(out)["fsdp"]
+    assert [(r[4], r[5]) for r in rows] == [(3e-3, 0.02), (3e-3, 0.02), (3e-4, 2e-3)]
+
+
 def test_train_resumes_from_a_checkpoint_at_another_world_size(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--checkpoint-dir", ckpt]
     full = progress(run_script(1, "examples/train.py", ["--steps", 4, *TINY, "--mode", "ddp"]))["ddp"]
-    run_script(2, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
+    saving = run_script(2, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
     assert sorted(os.listdir(ckpt)) == ["step_000002", "step_000004"]
+    # Rank 0 alone names each checkpoint as it is written, after that step's line.
+    lines = [l.strip() for l in saving.splitlines()]
+    step_lines = [i for i, l in enumerate(lines) if PROGRESS.match(l)]  # one per step (--log-every 1)
+    for step in (2, 4):
+        saved = f"[fsdp] saved {os.path.join(ckpt, f'step_{step:06d}')}"
+        assert lines.count(saved) == 1, saving
+        assert step_lines[step - 1] < lines.index(saved), saving
     # Drop the last checkpoint: resume at step 2 with one process, run to 4.
     shutil.rmtree(os.path.join(ckpt, "step_000004"))
     out = run_script(1, "examples/train.py", ["--steps", 4, "--resume", *args])
     resumed = progress(out)["fsdp"]
     assert "resumed from" in out and [r[0] for r in resumed] == [3, 4]
+    assert "warning" not in out  # the same schedule
     for a, b in zip(full[2:], resumed):
         assert abs(a[1] - b[1]) <= 2e-4 and a[4] == b[4], (a, b)
+
+
+def test_resuming_with_other_steps_warns_that_the_schedule_changed(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--warmup-steps", 1, "--checkpoint-dir", ckpt]
+    run_script(1, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
+    shutil.rmtree(os.path.join(ckpt, "step_000004"))
+    out = run_script(1, "examples/train.py", ["--steps", 8, "--resume", *args])
+    warning = [l for l in out.splitlines() if "warning" in l]
+    assert len(warning) == 1 and "the schedule's length differs from the saved run's" in warning[0]
+    assert "--steps 4 -> 8" in warning[0] and "resume with --steps 4" in warning[0]
+    # The run follows its own flags, as the warning says: 8 steps' schedule from step 3 on.
+    lr = lm.schedule(3e-3, 1, 8)
+    rows = progress(out)["fsdp"]
+    assert [r[0] for r in rows] == list(range(3, 9))
+    assert [r[4] for r in rows] == [float(f"{lr(s - 1).item():.2e}") for s in range(3, 9)]
+    assert f"lr {lr(2).item():.2e} (saved run's schedule: {lm.schedule(3e-3, 1, 4)(2).item():.2e})" in warning[0]
 
 
 def _png_size(path):
@@ -133,9 +187,13 @@ def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
                       "--checkpoint-dir", tmp_path / "ckpt"])
     with open(tmp_path / "compare.json") as f:
         res = json.load(f)
-    assert {"ddp", "fsdp", "config"} <= set(res)
+    assert {"ddp", "fsdp", "ddp_repeat", "config"} <= set(res)
     assert res["config"]["world_size"] == 2 and res["config"]["steps"] == steps
-    for mode in ("ddp", "fsdp"):
+    # On the CPU two DDP runs of one seed are bitwise equal: the floor is 0 and the tolerance applies.
+    assert res["ddp_repeat"]["loss"] == res["ddp"]["loss"]
+    assert res["noise_floor"] == 0 and res["tolerance"] == 1e-3
+    assert res["limit"] == 1e-3 and res["limit_source"] == "tolerance" and res["within"] is True
+    for mode in ("ddp", "fsdp", "ddp_repeat"):
         run = res[mode]
         assert len(run["loss"]) == len(run["step_ms"]) == steps
         assert all(math.isfinite(v) for v in run["loss"]) and min(run["step_ms"]) > 0
@@ -143,7 +201,10 @@ def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
     assert all(abs(d - f) <= 1e-3 for d, f in zip(res["ddp"]["loss"], res["fsdp"]["loss"]))
     assert res["fsdp"]["state_bytes"] <= res["ddp"]["state_bytes"] * (0.5 + 0.02)
     assert re.search(r"^\| fsdp \| [\d.]+ \| [\d.]+ \|", out, re.M), out
+    assert "DDP vs FSDP on 2 ranks:" in out
     assert "max |FSDP - DDP| loss over all steps" in out and "within 0.001" in out
+    assert ("noise floor, max |DDP - DDP| loss of two DDP runs with the same seed: 0.00e+00; "
+            "FSDP judged against the tolerance 0.001 (larger than the noise floor)") in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -154,17 +215,39 @@ def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
     assert os.path.getsize(tmp_path / "compare.png") > 20_000
 
 
+def test_compare_judges_fsdp_against_a_noise_floor_above_the_tolerance():
+    # What a GPU gives (two DDP runs drift apart): the floor, not 1e-3, is the limit.
+    import compare_ddp_fsdp as compare  # examples/ is on sys.path (see the top)
+
+    run = {"loss": [5.0, 4.0, 3.0], "step_ms": [9.0, 2.0, 2.0], "peak_memory": 2**20,
+           "state_bytes": 2**20, "first_step": 0}
+    runs = {"ddp": run, "fsdp": {**run, "loss": [5.0, 4.004, 3.006]},
+            "ddp_repeat": {**run, "loss": [5.0, 3.995, 3.008]}}
+    summary = compare.summarize(runs)
+    assert summary["noise_floor"] == pytest.approx(0.008) and summary["limit"] == summary["noise_floor"]
+    assert summary["limit_source"] == "noise floor" and summary["within"]
+    text = compare.table(summary, 2)
+    assert "max |FSDP - DDP| loss over all steps: 6.00e-03 (within 0.008)" in text
+    assert "FSDP judged against the noise floor (larger than the tolerance 0.001)" in text
+    runs["fsdp"]["loss"][2] = 3.01
+    assert "(ABOVE 0.008)" in compare.table(compare.summarize(runs), 2)
+
+
 def test_compare_without_matplotlib_still_writes_json(tmp_path, monkeypatch):
     blocker = tmp_path / "block"
     blocker.mkdir()
     (blocker / "matplotlib.py").write_text("raise ImportError('blocked for the test')\n")
-    monkeypatch.setenv("PYTHONPATH", str(blocker))  # run_script keeps it after the repo root
+    # Prepended, not replacing: MLX itself may come from PYTHONPATH (pip --target installs).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p))
     out = run_script(1, "examples/compare_ddp_fsdp.py",
                      ["--steps", 2, "--out", tmp_path / "o", *TINY])
     assert "no plot: matplotlib is not installed" in out and "'.[plot]'" in out
     assert not (tmp_path / "o" / "compare.png").exists()
     with open(tmp_path / "o" / "compare.json") as f:
-        assert len(json.load(f)["fsdp"]["loss"]) == 2
+        res = json.load(f)
+    assert len(res["fsdp"]["loss"]) == len(res["ddp_repeat"]["loss"]) == 2 and res["noise_floor"] == 0
+    assert "DDP vs FSDP on 1 rank:" in out
 
 
 def test_bench_step_sweep_two_ranks(tmp_path):
@@ -185,7 +268,37 @@ def test_bench_step_sweep_two_ranks(tmp_path):
         assert r["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.01)
     table = open(tmp_path / "s.md").read()
     assert table.count("\n| ") == 8 + 1 and "state FSDP/DDP" in table  # header + 8 rows
-    assert "| bfloat16 | 1 KiB |" in out
+    assert "| cpu | MLP 2x48, batch 32 | 4.7k | bfloat16 | 1 KiB |" in out
+
+
+def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
+    out = run_script(2, "benchmarks/bench_step.py",
+                     ["--model", "gpt", "--dims", 16, "--heads", 2, "--layers", 1, "--seq-len", 8,
+                      "--batch", 2, "--steps", 2, "--warmup", 1, "--communication-size", "32MiB",
+                      "--dtype", "float32", "--cpu", "--json", tmp_path / "g.json"])
+    with open(tmp_path / "g.json") as f:
+        res = json.load(f)
+    assert res["world_size"] == 2 and res["device"].startswith("cpu")
+    (row,) = res["results"]
+    params = lm.num_params(lm.ByteGPT(16, 1, 2, 8))  # the example's GPT, not a stand-in
+    assert (row["model"], row["dims"], row["heads"], row["seq_len"], row["batch"]) == ("gpt", 16, 2, 8, 2)
+    assert row["device"] == "cpu" and row["num_params"] == params
+    for mode in ("ddp", "fsdp"):
+        r = row[mode]
+        assert r["step_ms_median"] > 0 and r["peak_mb"] > 0 and r["state_mb"] > 0
+        # opt.update's hold is part of the step it was timed in.
+        assert 0 < r["update_ms_median"] <= r["step_ms_median"]
+        assert len(r["rank0_update_ms"]) == len(r["rank0_step_ms"]) == 2
+        assert all(0 < u <= t for u, t in zip(r["rank0_update_ms"], r["rank0_step_ms"]))
+    assert row["ratios"]["update"] > 0
+    assert row["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.02)
+    header, _, rows = out.partition("| device | model |")
+    assert "device cpu" in header and "DDP update ms | FSDP update ms" in rows
+    assert re.search(r"^\| cpu \| GPT 1x16, 2 heads, batch 2x8 \| [\d.]+k \| float32 \| 32 MiB \|"
+                     r"( [\d.]+ \|){11}$", rows, re.M), out
+    # Rank 0 shows its progress (steps and steps/s) on stderr, merged here.
+    # 2 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening) steps.
+    assert re.search(r"\[1/1\] GPT 1x16.*: 14/14 steps, [\d.]+ steps/s", out), out
 
 
 def test_bench_collectives_two_ranks(tmp_path):

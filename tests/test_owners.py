@@ -14,10 +14,10 @@ import pytest
 
 import mlx_fsdp
 from launch import run_ranks
-from mlx_fsdp import owners, placement
+from mlx_fsdp import layout, owners, placement
+from mlx_fsdp.fsdp import check_state
+from mlx_fsdp.placement import plan_for
 from mlx_fsdp.plan import build_plan
-from mlx_fsdp.sharded import check_state_fits, plan_for
-from mlx_fsdp.step import pack, unpack
 
 F32_TOL = 1e-5
 
@@ -72,7 +72,8 @@ def test_owner_balance_bound_on_uneven_shapes():
     shapes = [(f"w{i}", (rng.randint(1, 300), rng.randint(1, 300))) for i in range(57)]
     arrays = [(p, s, 4) for p, s in shapes]
     for n in (2, 3, 5, 8):
-        loads = owners.loads(arrays, owners.assign(arrays, n), n)
+        owner = owners.assign(arrays, n)
+        loads = [sum(owners.cost(s) for p, s, _ in arrays if owner[p] == r) for r in range(n)]
         mean = sum(loads) / n
         largest = max(owners.cost(s) for _, s in shapes)
         print(f"N={n}: 57 random matrices, max/mean {max(loads) / mean:.4f}")
@@ -88,7 +89,7 @@ def test_owner_assignment_is_deterministic_and_breaks_ties_by_bytes_then_name():
     assert first["a"] == 0 and first["b"] == 1 and first["c"] == 0
 
 
-def test_owner_bucket_rows_are_whole_arrays_and_round_trip():
+def test_owner_bucket_shards_are_whole_arrays_and_round_trip():
     sig = (
         ("a", (3, 5), "float32", "float32", 0, "owner"),
         ("bias", (5,), "float32", "float32", 0, "flat"),
@@ -100,17 +101,24 @@ def test_owner_bucket_rows_are_whole_arrays_and_round_trip():
     plan = build_plan(sig, n, 32 * 1024**2)
     assert [b.owned for b in plan.buckets] == [True, False]  # groups in tree order
     bucket = plan.buckets[0]
-    rows = [0] * n
-    for s in bucket.slots:
-        assert s.cols == s.size and s.offset == rows[s.owner]
-        rows[s.owner] += s.size
-    assert bucket.cols == max(rows)
+    used = [0] * n
+    for s in bucket.slots:  # each owner's arrays back to back from the start of its shard
+        assert s.start == s.owner * bucket.cols + used[s.owner]
+        used[s.owner] += s.size
+    assert bucket.cols == max(used)
     grads = [mx.random.normal(shape) for _, shape, *_ in sig]
-    packed = pack(bucket, grads, n)
-    assert packed.shape == (n, bucket.cols)
-    for s, a in zip(bucket.slots, unpack(bucket, packed)):
+    vector = layout.pack(bucket, grads, n)
+    assert vector.shape == (n * bucket.cols,)
+    for s, a in zip(bucket.slots, layout.unpack(bucket, vector)):
         assert mx.array_equal(a, grads[s.index])
-        assert mx.array_equal(owners.whole(s, packed[s.owner]), grads[s.index])
+    for r in range(n):
+        shard = vector[r * bucket.cols:(r + 1) * bucket.cols]
+        mine = layout.held(bucket, shard, r)
+        assert [s.path for s, _ in mine] == [s.path for s in bucket.slots if s.owner == r]
+        for s, a in mine:
+            assert mx.array_equal(a, grads[s.index])
+        rebuilt = layout.join(layout.held_parts(bucket, {s.index: a for s, a in mine}, r), mx.float32)
+        assert mx.array_equal(rebuilt, shard)
 
 
 def test_owner_buckets_respect_the_budget_with_even_rows():
@@ -125,8 +133,8 @@ def test_owner_buckets_respect_the_budget_with_even_rows():
 def test_fingerprint_covers_owners():
     sig = (("a", (4, 4), "float32", "float32", 0, "owner"),)
     flat = (("a", (4, 4), "float32", "float32", 0, "flat"),)
-    assert build_plan(sig, 2, 0).fingerprint() != build_plan(flat, 2, 0).fingerprint()
-    assert "rank 0 cols [0, 16)" in str(build_plan(sig, 2, 0))
+    assert build_plan(sig, 2, 0).fingerprint != build_plan(flat, 2, 0).fingerprint
+    assert "a (4, 4): [0, 16) on rank 0" in str(build_plan(sig, 2, 0))
 
 
 def test_registry_decides_placement():
@@ -220,25 +228,20 @@ def test_filters_see_full_paths_and_arrays():
     assert [s.owner is not None for b in plan.buckets for s in b.slots] == [True, False]
 
 
-def test_check_state_fits_owned_state():
+def test_state_of_owned_arrays_must_be_on_their_owner():
     sig = (("w", (7, 15), "float32", "float32", 0, "owner"),
            ("b", (15,), "float32", "float32", 0, "flat"))
     plan = build_plan(sig, 2, 0)
     owner = next(s.owner for b in plan.buckets for s in b.slots if s.path == "w")
     good = optim.Adafactor()
-    good.init({"shards": {"w": mx.zeros((7, 15)), "b": mx.zeros((8,))}})
-    check_state_fits(plan, good, owner)
+    good.init({"w": mx.zeros((7, 15)), "b": mx.zeros((8,) if owner == 0 else (7,))})
+    check_state(plan, good, owner)
     with pytest.raises(ValueError, match="does not fit this step's plan"):
-        check_state_fits(plan, good, 1 - owner)  # owned state on a non-owner
-    missing = optim.Adafactor()
-    missing.init({"shards": {"b": mx.zeros((8,))}})
-    check_state_fits(plan, missing, 1 - owner)
+        check_state(plan, good, 1 - owner)  # owned state on a non-owner
+    wrong = optim.Adafactor()
+    wrong.init({"b": mx.zeros((9,))})  # a piece of another length
     with pytest.raises(ValueError, match="does not fit this step's plan"):
-        check_state_fits(plan, missing, owner)  # the owner lost its state
-    flat = optim.Adafactor()
-    flat.init({"shards": {"w": mx.zeros((53,)), "b": mx.zeros((8,))}})  # a flat piece of w
-    with pytest.raises(ValueError, match="does not fit this step's plan"):
-        check_state_fits(plan, flat, owner)
+        check_state(plan, wrong, owner)
 
 
 # Multi-rank: every config is "optimizer:max_norm:communication_size:init".

@@ -1,45 +1,106 @@
-"""``save_checkpoint`` and ``load_checkpoint``."""
+"""``save_checkpoint`` and ``load_checkpoint``.
 
-import dataclasses
+Both start with one cross-rank agreement (:func:`mlx_fsdp.control.agree`):
+every rank must call them at the same point, with the same path. A rank that
+calls them alone, or with another path, gets an error instead of a hang.
+``load_checkpoint`` is all-or-nothing: every rank checks the checkpoint and
+builds the new weights and optimizer state without touching its model or
+optimizer (:mod:`.staging`), the ranks agree that all of them succeeded, and
+only then does any rank assign.
+"""
+
+import json
 import os
 import time
 import warnings
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
+from .. import control, watchdog
+from .._trees import match
+from ..options import group_or_global
+from ..placement import plan_for, sub_optimizers
 from ..plan import dtype_name
-from ..sharded import assign_optimizers, sub_optimizers
-from ..wrapper import group_or_global
-from . import atomic
-from .layout import (
-    arrays_to_save,
-    cut,
-    describe_state,
-    is_sharded,
-    one_shard_plan,
-    owner,
-    rebuild,
-    split_optimizer,
-)
+from . import atomic, staging
+from .layout import arrays_to_save, describe_state, is_sharded, one_shard_plan, split_optimizer
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     LAYOUT_NOTE,
     MANIFEST,
     MODEL_FILE,
-    CheckpointError,
     class_names,
     describe_optimizer,
     read_header,
-    read_manifest,
     sha256_file,
     shard_file,
-    verify_files,
     write_json,
 )
 
+#: What ``save_checkpoint(weights=...)`` stores of the model.
+WEIGHTS = ("all", "trainable")
+
+_HINT = ("Call save_checkpoint and load_checkpoint on every rank, at the same point of the "
+         "training loop, with the same path.")
+
+
+# --- the wrapper internals that checkpoints use (one place to re-point) ---
+
+def _save_layout(wrapper, model, optimizer, rank: int):
+    """``(plan, shard index, whether this rank writes its shard)`` of the state to save."""
+    if is_sharded(wrapper):
+        if wrapper.plan is None:
+            wrapper.init(model.trainable_parameters())
+        writer = wrapper.dp_group is None or wrapper.dp_group.rank() == 0
+        return wrapper.plan, wrapper.group.rank(), writer
+    return one_shard_plan(model, optimizer), 0, rank == 0
+
+
+def _load_target(wrapper, model):
+    """``(plan, shard rank)`` of the state a sharded wrapper steps with, or ``(None, 0)``.
+
+    The plan its next step builds, computed from the model without touching
+    the wrapper: the trainable floating-point arrays, with gradients in the
+    reduce dtype.
+    """
+    if not is_sharded(wrapper):
+        return None, 0
+    opts = wrapper.options
+    trainable = model.trainable_parameters()
+    flat, params = match(trainable, trainable)
+    held = [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
+    grads = [(p, a.astype(opts.reduce_dtype) if opts.reduce_dtype is not None else a)
+             for p, a in held]
+    plan = plan_for(grads, [a for _, a in held], wrapper.optimizer, opts.group.size(),
+                    opts.communication_size, opts.placement)
+    return plan, opts.group.rank()
+
+
+def _reset_wrapper(wrapper, master: Optional[dict], plan):
+    # The setter gives the other entries (micro-batches, norm) their fresh values
+    # and forgets the plan; the loaded state is adopted for the plan it was cut for.
+    state = {k: v for k, v in wrapper.state.items() if k not in ("master", "grad_norm")}
+    state["master"] = master if master is not None else {}
+    wrapper.state = state
+    if plan is not None:
+        wrapper._adopt(plan)
+
+
+def _watched(wrapper, where: str):
+    """The wrapper's collective watchdog around a wait in ``where`` (a no-op without one)."""
+    return watchdog.watch(getattr(wrapper, "_dog", None), where)
+
+
+def _agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = _HINT):
+    # On the wrapper's communication stream, in order with its step's collectives.
+    with _watched(wrapper, f"{operation}({path})"):
+        control.agree(world, operation, fields, hint=hint,
+                      stream=getattr(wrapper, "communication_stream", None))
+
+
+# --- saving ---
 
 def _write(file: str, arrays: dict):
     mx.save_safetensors(file, arrays)
@@ -67,12 +128,60 @@ def _wrapper_info(wrapper) -> Optional[dict]:
     return info
 
 
-def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metadata) -> dict:
+def _step(optimizer) -> int:
+    return int(sub_optimizers(optimizer)[0].state["step"].item())
+
+
+def _save_problem(wrapper, metadata, weights, target: str) -> str:
+    """Why this save cannot be done ("" if it can); every rank compares it before any raises."""
+    if weights not in WEIGHTS:
+        return (f"weights={weights!r} must be 'all' (every parameter of the model) or "
+                "'trainable' (only model.trainable_parameters(), e.g. LoRA adapters over a "
+                "frozen base model).")
+    micro = getattr(wrapper, "micro_step", 0)
+    if micro:
+        return (f"save_checkpoint was called after {micro} of {wrapper.grad_accumulation_steps} "
+                "micro-batches (opt.micro_step != 0): the gradients accumulated since the last "
+                "optimizer step are not part of a checkpoint and would be lost. Save right "
+                "after the optimizer step, when opt.micro_step == 0.")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return (f"metadata cannot be stored as JSON ({e}); pass a dict of strings, numbers, "
+                "lists and dicts.")
+    try:
+        atomic.check_target(target)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _stored(model, plan, weights: str) -> dict:
+    params = tree_flatten(model.parameters())
+    if weights == "all":
+        return dict(params)
+    # The trained parameters too, should some no longer be trainable: their
+    # optimizer state is saved, so their weights must be.
+    keep = {k for k, _ in tree_flatten(model.trainable_parameters())}
+    keep |= {s.path for b in plan.buckets for s in b.slots}
+    return {k: v for k, v in params if k in keep}
+
+
+def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metadata,
+              stored) -> dict:
     from .. import __version__
 
     headers = [read_header(os.path.join(tmp, shard_file(r, plan.world_size)))
                for r in range(plan.world_size)]
-    states, master = describe_state(plan, optimizer, headers)
+    states, master = describe_state(plan, optimizer, headers, sharded)
+    params = tree_flatten(model.parameters())
+    model_info = {
+        "file": MODEL_FILE,
+        "weights": "all" if len(stored) == len(params) else "trainable",
+        "parameters": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in params},
+    }
+    if model_info["weights"] == "trainable":
+        model_info["stored"] = list(stored)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -80,36 +189,34 @@ def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metad
         "mlx_version": mx.__version__,
         "created_unix": int(time.time()),
         "world_size": world.size(),
-        "step": int(sub_optimizers(optimizer)[0].state["step"].item()),
+        "step": _step(optimizer),
         "layout": {"kind": "sharded" if sharded else "plain", "num_shards": plan.world_size,
                    "how_to_read": LAYOUT_NOTE},
         "wrapper": _wrapper_info(wrapper),
         "optimizer": describe_optimizer(optimizer),
         "optimizers": states,
         "master": master,
-        "plan": dataclasses.asdict(plan),
-        "model": {
-            "file": MODEL_FILE,
-            "parameters": {
-                k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
-                for k, v in tree_flatten(model.parameters())
-            },
-        },
+        "plan": plan.to_dict(),
+        "model": model_info,
         "files": files,
         "user": metadata,
     }
 
 
-def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
+def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
+                    weights: str = "all"):
     """Save the model and the (sharded) optimizer state into the directory ``path``.
 
-    Every rank must call it (it synchronizes the ranks three times with tiny
-    all-gathers). Each shard of the optimizer state is written by its own
-    rank, the model by rank 0, and the directory appears at ``path`` only when
-    complete: ranks write into ``.NAME.partial`` next to it, and rank 0 swaps
-    it in once every rank has succeeded. An existing checkpoint at ``path``
-    is kept until then. With several hosts, ``path`` must be on a filesystem
-    that every rank sees.
+    Every rank must call it, at the same point and with the same ``path``: it
+    starts by checking that across ranks, so a call on some ranks only (``if
+    rank == 0: save_checkpoint(...)``) or with different paths raises an
+    error instead of hanging. Each shard of the optimizer state is written by
+    its own rank, the model by rank 0, and the directory appears at ``path``
+    only when complete: ranks write into ``.NAME.partial`` next to it, and
+    rank 0 swaps it in once every rank has succeeded. An existing checkpoint
+    at ``path`` is kept until then. If ``path`` is a symbolic link, the
+    checkpoint replaces the directory it points to and the link stays. With
+    several hosts, ``path`` must be on a filesystem that every rank sees.
 
     Args:
         path (str): The checkpoint directory.
@@ -118,26 +225,43 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
             :func:`~mlx_fsdp.ddp_step` wrapper, or a plain MLX optimizer.
         metadata (dict, optional): JSON-able data stored in the manifest under
             ``"user"`` (e.g. the data loader's position). Default: ``None``.
+        weights (str): ``"all"`` stores every parameter of the model;
+            ``"trainable"`` only ``model.trainable_parameters()`` (and the
+            optimizer state), e.g. LoRA adapters without the frozen base
+            model, which must then be in the model before loading.
+            Default: ``"all"``.
 
     Raises:
-        ValueError: If ``path`` exists and is not a checkpoint.
+        mlx_fsdp.control.RankMismatch: On every rank, if the ranks are not all
+            in ``save_checkpoint`` or differ in the path, the step count, the
+            optimizer or the arguments.
+        ValueError: On every rank, if ``path`` exists and is not a
+            checkpoint, for a bad ``weights`` or ``metadata``, or between
+            micro-batches of gradient accumulation (``opt.micro_step != 0``).
         RuntimeError: On every rank, if writing failed on any rank.
     """
     optimizer, wrapper = split_optimizer(opt)
     world = group_or_global(None)
     rank = world.rank()
+    target = atomic.resolve(path)
+    problem = _save_problem(wrapper, metadata, weights, target)
+    _agree(wrapper, world, "save_checkpoint", target, {
+        "path": target,
+        "step": _step(optimizer),
+        "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
+        "arguments": problem or "ok",
+    })
+    if problem:
+        raise ValueError(problem)
+
+    def status(ok, shard=-1, digest=""):
+        with _watched(wrapper, f"save_checkpoint({target})"):
+            return atomic.gather_status(world, ok, shard, digest)
+
     sharded = is_sharded(wrapper)
-    if sharded:
-        if wrapper.plan is None:
-            wrapper.init(model.trainable_parameters())
-        plan, shard = wrapper.plan, wrapper.group.rank()
-        writer = wrapper.dp_group is None or wrapper.dp_group.rank() == 0
-    else:
-        plan = one_shard_plan(model, optimizer)
-        shard, writer = 0, rank == 0
+    plan, shard, writer = _save_layout(wrapper, model, optimizer, rank)
     arrays = arrays_to_save(plan, optimizer, wrapper, sharded) if writer else {}
-    target, tmp, _ = atomic.side_paths(path)
-    atomic.check_target(target)
+    _, tmp, _ = atomic.side_paths(target)
 
     error = None
     try:
@@ -145,27 +269,28 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
             atomic.prepare(target)
     except Exception as e:  # reported on every rank below
         error = e
-    _check_status(atomic.gather_status(world, error is None), error, target, "preparing")
+    _check_status(status(error is None), error, target, "preparing")
 
     digest = ""
+    stored = _stored(model, plan, weights)
     try:
         if writer:
             file = os.path.join(tmp, shard_file(shard, plan.world_size))
             _write(file, arrays)
             digest = sha256_file(file)
         if rank == 0:
-            _write(os.path.join(tmp, MODEL_FILE), dict(tree_flatten(model.parameters())))
+            _write(os.path.join(tmp, MODEL_FILE), stored)
     except Exception as e:
         error = e
-    status = atomic.gather_status(world, error is None, shard if writer else -1, digest)
-    if rank == 0 and not all(ok for ok, _, _ in status):
+    written = status(error is None, shard if writer else -1, digest)
+    if rank == 0 and not all(ok for ok, _, _ in written):
         atomic.abandon(target)
-    _check_status(status, error, target, "writing")
+    _check_status(written, error, target, "writing")
 
     try:
         if rank == 0:
             digests = {}
-            for ok, s, d in status:
+            for ok, s, d in written:
                 if s >= 0:
                     digests[shard_file(s, plan.world_size)] = d
             digests[MODEL_FILE] = sha256_file(os.path.join(tmp, MODEL_FILE))
@@ -174,132 +299,47 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None):
                 for name, d in sorted(digests.items())
             }
             manifest = _manifest(model, optimizer, wrapper, plan, sharded, world, tmp,
-                                 digests, metadata)
+                                 digests, metadata, stored)
             write_json(os.path.join(tmp, MANIFEST), manifest)
             atomic.commit(target)
     except Exception as e:
         error = e
         if rank == 0:
             atomic.abandon(target)
-    _check_status(atomic.gather_status(world, error is None), error, target, "committing")
+    _check_status(status(error is None), error, target, "committing")
 
 
-def _differences(saved: dict, current: dict, limit: int = 5) -> list:
-    out = []
-    only_saved = [k for k in saved if k not in current]
-    only_here = [k for k in current if k not in saved]
-    differ = [
-        f"{k}: {tuple(saved[k]['shape'])} {saved[k]['dtype']} saved, "
-        f"{tuple(current[k]['shape'])} {current[k]['dtype']} here"
-        for k in saved
-        if k in current and (list(saved[k]["shape"]), saved[k]["dtype"])
-        != (list(current[k]["shape"]), current[k]["dtype"])
-    ]
-    for label, items in (("only in the checkpoint", only_saved), ("only in this model", only_here),
-                         ("shape or dtype differ", differ)):
-        if items:
-            more = f" and {len(items) - limit} more" if len(items) > limit else ""
-            out.append(f"{label}: {', '.join(items[:limit])}{more}")
-    return out
+# --- loading ---
 
-
-def _check_model(path: str, manifest: dict, model):
-    current = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
-               for k, v in tree_flatten(model.parameters())}
-    problems = _differences(manifest["model"]["parameters"], current)
-    if problems:
-        raise CheckpointError(
-            f"The checkpoint {path} was saved from a different model ("
-            + "; ".join(problems)
-            + "). Build the same model (same layers, shapes and dtypes) before loading."
-        )
-
-
-def _check_optimizer(path: str, manifest: dict, optimizer, model):
-    saved, here = class_names(manifest["optimizer"]), class_names(describe_optimizer(optimizer))
-    if saved != here:
-        raise CheckpointError(
-            f"The checkpoint {path} holds the state of {' / '.join(saved)}, but the "
-            f"optimizer given is {' / '.join(here)}; their states do not convert. Create "
-            f"the same optimizer class as when saving (the hyper-parameters may differ)."
-        )
-    trainable = tree_flatten(model.trainable_parameters())
-    assigned = assign_optimizers(trainable, optimizer)
-    for k, desc in enumerate(manifest["optimizers"]):
-        have = {p for (p, _), o in zip(trainable, assigned) if o == k}
-        want = set(desc["parameters"])
-        if have != want:
-            raise CheckpointError(
-                f"The checkpoint {path} has optimizer state (sub-optimizer {k}) for "
-                f"other parameters than this model trains: only in the checkpoint "
-                f"{sorted(want - have)[:5]}, only here {sorted(have - want)[:5]}. Freeze "
-                "the same parameters (and use the same MultiOptimizer filters) as when saving."
-            )
-
-
-def _replace_state(optimizer, new: dict):
-    # In place, so that mx.compile captures of the state dict stay valid; the
-    # setter marks the optimizer uninitialized, so entries not in the checkpoint
-    # (a never-updated parameter) are created on the next step.
-    state = optimizer.state
-    state.clear()
-    state.update(new)
-    optimizer.state = state
-
-
-def _reset_wrapper(wrapper):
-    # The setter forgets the plan, so the next step re-checks the state against it.
-    wrapper.state = {k: v for k, v in wrapper.state.items() if k not in ("master", "grad_norm")}
-
-
-def _load_plain(optimizer, states, scalars):
-    for k, sub in enumerate(sub_optimizers(optimizer)):
-        items = [(f"{p}.{n}", a) for p, entries in states[k].items() for n, a in entries.items()]
-        new = dict(scalars[k])  # first, where MLX keeps them
-        new.update(tree_unflatten(items) if items else {})
-        _replace_state(sub, new)
-
-
-def _load_sharded(wrapper, optimizer, model, states, scalars, master):
-    subs = sub_optimizers(optimizer)
-    for k, sub in enumerate(subs):
-        _replace_state(sub, dict(scalars[k]))
-    _reset_wrapper(wrapper)
-    wrapper.init(model.trainable_parameters())
-    plan, rank = wrapper.plan, wrapper.group.rank()
-    pieces = {}
-    for bucket in plan.buckets:
-        shards = subs[bucket.optimizer].state["shards"]
-        for slot in bucket.slots:
-            o = owner(slot)
-            entries = states[bucket.optimizer].get(slot.path)
-            if entries and o is None:
-                shards[slot.path] = {n: cut(slot, a, rank, f"The entry '{n}'")
-                                     for n, a in entries.items()}
-            elif entries and o == rank:
-                shards[slot.path] = dict(entries)
-            if slot.path in master and o is None:
-                pieces[slot.path] = cut(slot, master[slot.path], rank, "The master copy")
-            elif slot.path in master and o == rank:
-                pieces[slot.path] = master[slot.path]
-    return pieces
+def _status(error: Optional[BaseException]) -> str:
+    return "ok" if error is None else f"{type(error).__name__}: {error}"
 
 
 def load_checkpoint(path: str, model, opt) -> dict:
     """Load a checkpoint saved by :func:`save_checkpoint`, at any world size.
 
-    The manifest and the sha256 of every file are checked, and the model and
-    optimizer compared with the saved ones, before anything is modified. The
-    optimizer state of every parameter is rebuilt whole from the shards and
-    cut again for ``opt``: an :func:`~mlx_fsdp.fsdp_step` wrapper at any world
-    size and any ``communication_size``, a :func:`~mlx_fsdp.ddp_step` wrapper,
-    or a plain MLX optimizer (its usual state layout). The step count and the
-    learning rate are part of the state and carry over, so a schedule
+    All or nothing. Every rank checks the manifest against its schema, every
+    file's place, size and sha256 and its arrays' shapes, the model (paths,
+    shapes, dtypes), the optimizer class, the trained parameters and whether
+    the state can be cut for ``opt``, and builds the new weights and state;
+    then the ranks agree that every one of them can load, and only then is
+    anything replaced. On any failure on any rank, nothing changes on any
+    rank: the rank that failed raises its error, the others a
+    :class:`~mlx_fsdp.control.RankMismatch` that names it.
+
+    The optimizer state of every parameter is rebuilt whole from the shards
+    and cut again for ``opt``: an :func:`~mlx_fsdp.fsdp_step` wrapper at any
+    world size and any ``communication_size``, a :func:`~mlx_fsdp.ddp_step`
+    wrapper, or a plain MLX optimizer (its usual state layout). The step count
+    and the learning rate are part of the state and carry over, so a schedule
     continues where it was; the other hyper-parameters are those of ``opt``.
-    Every rank must call it (a sharded ``opt`` checks its plan across ranks).
+    Every rank must call it, at the same point and with the same ``path``. A
+    checkpoint saved with ``weights="trainable"`` replaces only those
+    parameters; the model's others must exist with the saved shapes and dtypes
+    and keep their values.
 
     Args:
-        path (str): The checkpoint directory.
+        path (str): The checkpoint directory (it may be a symbolic link to one).
         model (mlx.nn.Module): A model with the same parameter paths, shapes
             and dtypes; its weights are replaced.
         opt: The optimizer, of the same class as the saved one; its state is
@@ -310,36 +350,51 @@ def load_checkpoint(path: str, model, opt) -> dict:
         :func:`save_checkpoint`).
 
     Raises:
-        CheckpointError: naming what is wrong: a missing, truncated or altered
-            file, a different model, a different optimizer class.
+        CheckpointError: naming what is wrong: a malformed manifest field, a
+            missing, truncated or altered file, a different model, a
+            different optimizer class, state that cannot be cut for ``opt``.
+        ValueError: Between micro-batches of gradient accumulation.
+        mlx_fsdp.control.RankMismatch: On the ranks that could load, when
+            another could not, or when the ranks differ in the path or in the
+            layout ``opt`` needs (e.g. ``communication_size``).
     """
-    path = os.path.abspath(path)
-    manifest = read_manifest(path)
-    verify_files(path, manifest)
     optimizer, wrapper = split_optimizer(opt)
-    _check_model(path, manifest, model)
-    _check_optimizer(path, manifest, optimizer, model)
+    world = group_or_global(None)
+    path = os.path.abspath(path)
+    _agree(wrapper, world, "load_checkpoint", path, {
+        "path": path,
+        "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
+    })
 
-    files = {name: mx.load(os.path.join(path, name)) for name in manifest["files"]}
-    states, scalars, master = rebuild(manifest, files)
-    weights = files[MODEL_FILE]
-    mx.eval(states, scalars, master, weights)
+    staged, error, layout, plan = None, None, "-", None
+    try:
+        plan, shard = _load_target(wrapper, model)
+        layout = staging.describe_target(plan)
+        staged = staging.stage(path, model, optimizer, wrapper, plan, shard)
+    except Exception as e:  # every rank learns of it below, and nothing changes
+        error = e
+    mismatch = None
+    try:
+        _agree(wrapper, world, "load_checkpoint", path, {"status": _status(error), "layout": layout},
+               hint="The rank(s) that failed raised the full error.")
+    except control.RankMismatch as e:
+        mismatch = e
+    if error is not None:
+        raise error
+    if mismatch is not None:
+        raise control.RankMismatch(f"Nothing was loaded from {path} on any rank. {mismatch}") \
+            from mismatch
 
-    model.load_weights(list(weights.items()), strict=True)
-    keeps_master = getattr(wrapper, "master_dtype", None) is not None
-    if is_sharded(wrapper):
-        master = _load_sharded(wrapper, optimizer, model, states, scalars, master)
-    else:
-        _load_plain(optimizer, states, scalars)
-        if wrapper is not None:
-            _reset_wrapper(wrapper)
-    if master and keeps_master:
-        wrapper.state["master"] = master
-    elif master:
+    model.load_weights(staged.weights, strict=staged.all_weights)
+    for sub, state in zip(sub_optimizers(optimizer), staged.states):
+        staging.replace_state(sub, state)
+    if wrapper is not None:
+        _reset_wrapper(wrapper, staged.master, plan)
+    if staged.ignored_master:
         warnings.warn(
             f"The checkpoint {path} holds fp32 master weights, but this optimizer keeps "
             "none; they are ignored and training continues from the model weights "
             "(the masters rounded to the parameters' dtype).",
             stacklevel=2,
         )
-    return manifest
+    return staged.manifest

@@ -8,6 +8,11 @@ into place, and only then is the old one removed. A failure on any rank is
 reported on every rank, and the old checkpoint is left as it was.
 
 All ranks must see the same directory (a shared filesystem on multi-host).
+
+A ``path`` that is a symbolic link is followed (:func:`resolve`): the
+checkpoint replaces the directory the link points to, next to which the
+temporary directories are made (on its filesystem, so that the swap is a
+rename), and the link itself stays as it is.
 """
 
 import os
@@ -17,6 +22,12 @@ from typing import List, Tuple
 import mlx.core as mx
 
 from .manifest import MANIFEST
+
+
+def resolve(path: str) -> str:
+    """The absolute directory a save to ``path`` writes: a link at ``path`` is followed."""
+    path = os.path.abspath(path).rstrip(os.sep) or os.sep
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 def side_paths(path: str) -> Tuple[str, str, str]:
@@ -51,9 +62,17 @@ def fsync_dir(path: str):
 
 
 def check_target(path: str):
-    """Refuse to replace a directory that is not a checkpoint (every rank, first)."""
+    """Refuse to replace a directory that is not a checkpoint (every rank, first).
+
+    ``path`` is :func:`resolve`-d already.
+    """
     target = side_paths(path)[0]
-    if os.path.exists(target) and not (
+    if os.path.islink(target):  # a link to a link that does not lead anywhere
+        raise ValueError(
+            f"{target} is a symbolic link whose target cannot be resolved; refusing to "
+            "write through it. Remove the link or point it at a directory."
+        )
+    if os.path.lexists(target) and not (
         os.path.isdir(target)
         and (os.path.isfile(os.path.join(target, MANIFEST)) or not os.listdir(target))
     ):
@@ -63,12 +82,19 @@ def check_target(path: str):
         )
 
 
+def _remove(path: str):
+    # A leftover may be a link (never followed) or a directory.
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.exists(path):
+        shutil.rmtree(path)
+
+
 def prepare(path: str):
     """Rank 0, before anyone writes: make an empty temporary dir."""
     target, tmp, _ = side_paths(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by an interrupted save
+    _remove(tmp)  # left by an interrupted save
     os.makedirs(tmp)
 
 
@@ -76,14 +102,12 @@ def commit(path: str):
     """Rank 0, after the manifest is written: swap the complete new dir in."""
     target, tmp, old = side_paths(path)
     fsync_dir(tmp)
-    if os.path.exists(old):
-        shutil.rmtree(old)
-    if os.path.exists(target):
+    _remove(old)
+    if os.path.lexists(target):
         os.rename(target, old)
     os.rename(tmp, target)
     fsync_dir(os.path.dirname(target))
-    if os.path.exists(old):
-        shutil.rmtree(old)
+    _remove(old)
 
 
 def abandon(path: str):

@@ -9,6 +9,9 @@ Keys of the consolidated safetensors file:
   ``MultiOptimizer``, ``optimizer.states.{k}.{...}``;
 * ``master.{path}``: fp32 master weights, if the checkpoint has them.
 
+A checkpoint saved with ``weights="trainable"`` has ``model.*`` keys for the
+trainable parameters only (the file's metadata says ``weights: trainable``).
+
 So a plain MLX run continues with::
 
     arrays = mx.load(OUT)
@@ -22,8 +25,7 @@ import os
 
 import mlx.core as mx
 
-from .layout import rebuild
-from .manifest import MODEL_FILE, read_manifest, verify_files
+from .reader import read_checkpoint
 
 
 def consolidate_checkpoint(path: str, out: str):
@@ -38,12 +40,9 @@ def consolidate_checkpoint(path: str, out: str):
         out (str): The output file (``.safetensors`` is appended if missing).
     """
     path = os.path.abspath(path)
-    manifest = read_manifest(path)
-    verify_files(path, manifest)
-    files = {name: mx.load(os.path.join(path, name)) for name in manifest["files"]}
-    states, scalars, master = rebuild(manifest, files)
+    manifest, weights, states, scalars, master = read_checkpoint(path)
 
-    arrays = {f"model.{k}": v for k, v in files[MODEL_FILE].items()}
+    arrays = {f"model.{k}": v for k, v in weights.items()}
     multi = "sub_optimizers" in manifest["optimizer"]
     for k in range(len(states)):
         prefix = f"optimizer.states.{k}." if multi else "optimizer."
@@ -60,6 +59,7 @@ def consolidate_checkpoint(path: str, out: str):
         "format": "mlx_fsdp-consolidated",
         "source": path,
         "step": str(manifest["step"]),
+        "weights": manifest["model"].get("weights", "all"),
         "optimizer": json.dumps(manifest["optimizer"]),
     }
     mx.save_safetensors(tmp, arrays, metadata)

@@ -1,12 +1,12 @@
-"""Optimizer state <-> checkpoint arrays: cut on save, rebuilt and re-cut on load.
+"""Optimizer state <-> checkpoint arrays: stored as held, rebuilt whole, cut again.
 
-On disk the state of every parameter is described by a plan (see
-:mod:`mlx_fsdp.plan`) over ``num_shards`` shards. A sharded optimizer saves
-its own plan (``num_shards`` = its world size, one file per shard). A plain
-layout (an unwrapped optimizer, ``ddp_step``, or any wrapper on one process)
-is saved as a plan over one shard, whose pieces are the whole flattened
-entries. Either way, loading rebuilds each entry whole and then cuts it for
-the plan of the optimizer it goes into.
+A sharded optimizer saves what each rank holds (see :mod:`mlx_fsdp.plan`):
+its shard of every entry of each flat bucket, and the whole state of each
+array it owns. A plain state (an unwrapped optimizer, ``ddp_step``, or any
+wrapper on one process) is saved whole, as one shard. Loading rebuilds the
+state of every parameter whole from the manifest's description, whatever
+layout wrote it, and then cuts it for the optimizer it goes into: the same
+bucket layout at another world size or budget, or the plain layout.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -14,11 +14,11 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from .. import _trees
+from .. import layout as _layout
+from .._trees import match
 from ..fsdp import ShardedOptimizer
-from ..plan import Plan, Slot
-from ..sharded import plan_for, sub_optimizers
-from ..step import local_piece
+from ..placement import plan_for, sub_optimizers
+from ..plan import Bucket, Plan, Slot, dtype_name
 from ..wrapper import DistributedOptimizer
 from .manifest import CheckpointError, master_key, scalar_key, shard_file, state_key
 
@@ -36,23 +36,14 @@ def split_optimizer(opt) -> Tuple[optim.Optimizer, Optional[DistributedOptimizer
 
 
 def is_sharded(wrapper: Optional[DistributedOptimizer]) -> bool:
-    """Whether the wrapper keeps per-rank pieces (otherwise the state is plain MLX)."""
-    if not isinstance(wrapper, ShardedOptimizer):
-        return False
-    dp = wrapper.dp_group.size() if wrapper.dp_group is not None else 1
-    return wrapper.group.size() * dp > 1
+    """Whether the wrapper keeps per-rank shards (otherwise the state is plain MLX)."""
+    return isinstance(wrapper, ShardedOptimizer) and wrapper.options.world_size > 1
 
 
 def one_shard_plan(model, optimizer, communication_size: int = 0) -> Plan:
     """The plan of a plain (unsharded) state: every parameter on one shard."""
-    trainable = model.trainable_parameters()
-    flat, flat_params = _trees.match(trainable, trainable)
-    return plan_for(flat, flat_params, optimizer, 1, communication_size)
-
-
-def owner(slot) -> Optional[int]:
-    # Owner placement (whole arrays on one rank) adds Slot.owner; older plans lack it.
-    return getattr(slot, "owner", None)
+    flat, params = match(model.trainable_parameters(), model.trainable_parameters())
+    return plan_for(flat, params, optimizer, 1, communication_size)
 
 
 def lookup(tree, path: str) -> Optional[dict]:
@@ -70,57 +61,39 @@ def lookup(tree, path: str) -> Optional[dict]:
     return tree if isinstance(tree, dict) else None
 
 
-def _stored(slot: Slot, array: mx.array, sharded: bool) -> mx.array:
-    # A plain state is one shard: its parameter-shaped entries are stored as
-    # that shard's flat piece, so every checkpoint rebuilds the same way.
-    if not sharded and owner(slot) is None and tuple(array.shape) == tuple(slot.shape):
-        return array.reshape(-1)
-    return array
-
-
 def arrays_to_save(plan: Plan, optimizer, wrapper, sharded: bool) -> Dict[str, mx.array]:
     """This rank's optimizer arrays, keyed as in :mod:`.manifest`."""
     subs = sub_optimizers(optimizer)
+    masters = wrapper.state["master"] if wrapper is not None else {}
     out = {}
     for k, sub in enumerate(subs):
-        for name, value in sub.state.items():
-            if isinstance(value, mx.array):
-                out[scalar_key(k, name)] = value
-    master = wrapper.state.get("master") if wrapper is not None else None
-    for bucket in plan.buckets:
-        sub = subs[bucket.optimizer]
-        for slot in bucket.slots:
-            if sharded:
-                entries = sub.state.get("shards", {}).get(slot.path)
-            else:
-                entries = lookup(sub.state, slot.path)
-            for name, value in (entries or {}).items():
-                out[state_key(bucket.optimizer, slot.path, name)] = _stored(slot, value, sharded)
-            if master is not None and slot.path in master:
-                out[master_key(slot.path)] = _stored(slot, master[slot.path], sharded)
+        out.update((scalar_key(k, n), v) for n, v in sub.state.items() if isinstance(v, mx.array))
+    for b in plan.buckets:
+        for s in b.slots:
+            entries = sub_state(subs[b.optimizer], s.path, sharded)
+            out.update((state_key(b.optimizer, s.path, n), v) for n, v in (entries or {}).items())
+            if s.path in masters:
+                out[master_key(s.path)] = masters[s.path]
     return out
 
 
-def _entry(slot: Slot, info: dict, source: int) -> dict:
-    flat = owner(slot) is None and info["shape"] == [slot.cols]
-    entry = {
-        "kind": "flat" if flat else "whole",
-        "dtype": info["dtype"],
-        "shape": list(slot.shape) if flat else info["shape"],
-        "source": source,
-    }
-    if flat:
-        entry["order"] = getattr(slot, "order", "C")
-    return entry
+def sub_state(sub, path: str, sharded: bool) -> Optional[dict]:
+    """The state of one parameter: by path under ``fsdp_step``, nested in a plain state."""
+    return sub.state.get(path) if sharded else lookup(sub.state, path)
 
 
-def describe_state(plan: Plan, optimizer, headers: List[dict]) -> Tuple[list, dict]:
+def _holders(plan: Plan, b: Bucket, s: Slot) -> List[int]:
+    return [r for r in range(plan.world_size) if _layout.held_range(b, s, r) is not None]
+
+
+def describe_state(plan: Plan, optimizer, headers: List[dict], sharded: bool) -> Tuple[list, dict]:
     """The manifest's per-sub-optimizer state description and its master section.
 
     Args:
         plan (Plan): The saved plan.
         optimizer: The MLX optimizer (for the top-level values, shown in JSON).
         headers (list[dict]): :func:`.manifest.read_header` of every shard file.
+        sharded (bool): Whether the state was saved as each rank's pieces.
     """
     subs = sub_optimizers(optimizer)
     states = [{"scalars": {}, "parameters": {}} for _ in subs]
@@ -128,48 +101,49 @@ def describe_state(plan: Plan, optimizer, headers: List[dict]) -> Tuple[list, di
     for k, sub in enumerate(subs):
         for name, value in sub.state.items():
             if isinstance(value, mx.array):
-                info = {"dtype": str(value.dtype).rsplit(".", 1)[-1]}
+                info = {"dtype": dtype_name(value.dtype)}
                 if value.size == 1:
                     info["value"] = value.item()
                 states[k]["scalars"][name] = info
-    for bucket in plan.buckets:
-        k = bucket.optimizer
-        for slot in bucket.slots:
-            source = owner(slot) if owner(slot) is not None else 0
-            header = headers[source]
-            prefix = state_key(k, slot.path, "")
-            entries = {
-                key[len(prefix):]: _entry(slot, info, source)
-                for key, info in header.items()
-                if key.startswith(prefix)
+    for b in plan.buckets:
+        k = b.optimizer
+        for s in b.slots:
+            ranks = _holders(plan, b, s) if sharded and not b.owned else None
+            source = ranks[0] if ranks else (s.owner or 0)
+
+            def entry(info):
+                if ranks is None:
+                    return {"kind": "whole", "dtype": info["dtype"], "shape": info["shape"],
+                            "source": source}
+                return {"kind": "pieces", "dtype": info["dtype"], "shape": list(s.shape),
+                        "ranks": ranks, "order": s.order}
+
+            prefix = state_key(k, s.path, "")
+            states[k]["parameters"][s.path] = {
+                "shape": list(s.shape), "dtype": b.param_dtype, "size": s.size,
+                "owner": s.owner,
+                "entries": {key[len(prefix):]: entry(info)
+                            for key, info in headers[source].items() if key.startswith(prefix)},
             }
-            states[k]["parameters"][slot.path] = {
-                "shape": list(slot.shape),
-                "dtype": bucket.param_dtype,
-                "size": slot.size,
-                "cols": slot.cols,
-                "owner": owner(slot),
-                "entries": entries,
-            }
-            if master_key(slot.path) in header:
-                master[slot.path] = _entry(slot, header[master_key(slot.path)], source)
+            if master_key(s.path) in headers[source]:
+                master[s.path] = entry(headers[source][master_key(s.path)])
     return states, master
 
 
 def _rebuild(key: str, entry: dict, size: int, files: Dict[str, dict], num_shards: int):
     def get(rank):
-        name = shard_file(rank, num_shards)
-        if key not in files[name]:
-            raise CheckpointError(f"{name} lacks '{key}', which the manifest lists; "
+        file = shard_file(rank, num_shards)
+        if key not in files[file]:
+            raise CheckpointError(f"{file} lacks '{key}', which the manifest lists; "
                                   "the checkpoint is inconsistent.")
-        return files[name][key]
+        return files[file][key]
 
     if entry["kind"] == "whole":
         return get(entry["source"])
-    pieces = [get(r) for r in range(num_shards)]
-    flat = pieces[0] if num_shards == 1 else mx.concatenate(pieces)[:size]
-    # Checkpoints written before the column order existed have no "order":
-    # their pieces are row by row.
+    if entry["kind"] == "pieces":  # format 3: each holder's piece, in rank order
+        flat = mx.concatenate([get(r) for r in entry["ranks"]])
+    else:  # formats 1 and 2: each array split over every rank, zero-padded
+        flat = mx.concatenate([get(r) for r in range(num_shards)])[:size]
     if entry.get("order", "C") == "F":
         return mx.contiguous(flat.reshape(entry["shape"][::-1]).T)
     return flat.reshape(entry["shape"])
@@ -191,29 +165,56 @@ def rebuild(manifest: dict, files: Dict[str, dict]):
     for k, desc in enumerate(manifest["optimizers"]):
         scalars.append({name: first[scalar_key(k, name)] for name in desc["scalars"]})
         states.append({
-            path: {
-                name: _rebuild(state_key(k, path, name), entry, p["size"], files, num_shards)
-                for name, entry in p["entries"].items()
-            }
+            path: {name: _rebuild(state_key(k, path, name), e, p["size"], files, num_shards)
+                   for name, e in p["entries"].items()}
             for path, p in sorted(desc["parameters"].items(), key=lambda i: index[i[0]])
         })
     sizes = {path: p["size"] for d in manifest["optimizers"] for path, p in d["parameters"].items()}
-    master = {
-        path: _rebuild(master_key(path), entry, sizes[path], files, num_shards)
-        for path, entry in manifest.get("master", {}).items()
-    }
+    master = {path: _rebuild(master_key(path), e, sizes[path], files, num_shards)
+              for path, e in manifest.get("master", {}).items()}
     return states, scalars, master
 
 
-def cut(slot: Slot, array: mx.array, rank: int, what: str) -> mx.array:
-    """``rank``'s piece of a whole entry for a flat (non-owner) slot."""
-    if tuple(array.shape) == tuple(slot.shape):
-        return local_piece(slot, array, rank)
-    if array.ndim == 0:
-        return array
-    raise CheckpointError(
-        f"{what} of '{slot.path}' has shape {tuple(array.shape)}, not the parameter's "
-        f"{tuple(slot.shape)}, so it cannot be split into flat shards; load it into an "
-        "optimizer that keeps this parameter whole (owner placement, ddp_step or a "
-        "plain optimizer)."
-    )
+def shard_state(plan: Plan, rank: int, states: list, master: dict):
+    """What ``rank`` holds under ``plan``, cut from whole per-parameter state.
+
+    Args:
+        plan (Plan): The plan of the optimizer being loaded into.
+        rank (int): This rank in its shard group.
+        states (list): Per sub-optimizer ``{path: {name: whole array}}``.
+        master (dict): ``{path: whole master}``.
+
+    Returns:
+        tuple: Per sub-optimizer ``{path: {name: held array}}``, and the
+        masters ``{path: held master}``.
+
+    Raises:
+        CheckpointError: If an entry of an array placed flat is not shaped
+            like the array (e.g. Adafactor's factored statistics), so it
+            cannot be cut into pieces.
+    """
+    trees = [{} for _ in states]
+    masters = {}
+    for b in plan.buckets:
+        saved = states[b.optimizer]
+        for s in b.held(rank):
+            lo, hi = _layout.held_range(b, s, rank)
+
+            def cut(array, what):
+                if b.owned:
+                    return array
+                if tuple(array.shape) != tuple(s.shape):
+                    raise CheckpointError(
+                        f"{what} of '{s.path}' has shape {tuple(array.shape)}, not the "
+                        f"parameter's {tuple(s.shape)}, so it cannot be cut into flat pieces; "
+                        "load it into an optimizer that keeps this parameter whole (owner "
+                        "placement, ddp_step or a plain optimizer)."
+                    )
+                return _layout.flatten(s, array)[lo:hi]
+
+            if s.path in saved:
+                trees[b.optimizer][s.path] = {n: cut(a, f"The entry '{n}'")
+                                              for n, a in saved[s.path].items()}
+            if s.path in master:
+                masters[s.path] = cut(master[s.path], "The master copy")
+    return trees, masters

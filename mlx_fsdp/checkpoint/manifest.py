@@ -10,8 +10,10 @@ A checkpoint is a directory::
 Keys inside the optimizer files (``k`` is the sub-optimizer index, 0 unless
 the optimizer is a ``MultiOptimizer``):
 
-* ``state/{k}/{path}/{name}``: the entry ``name`` (e.g. ``m``) of the state
-  of the parameter at ``path``: this shard's flat piece, or the whole entry;
+* ``state/{k}/{path}/{name}``: what this shard holds of the entry ``name``
+  (e.g. ``m``) of the state of the parameter at ``path``: its 1-D piece of a
+  flat bucket (see :mod:`mlx_fsdp.layout`), or the whole entry (owned
+  arrays, plain layouts);
 * ``scalars/{k}/{name}``: sub-optimizer ``k``'s top-level state (``step``,
   ``learning_rate``);
 * ``master/{path}``: the fp32 master copy of the parameter, laid out like
@@ -29,28 +31,30 @@ import struct
 import mlx.optimizers as optim
 
 FORMAT = "mlx_fsdp-checkpoint"
-#: Version 2 adds each flat entry's element ``order``. Version 1 manifests
-#: (row order throughout) are still read; a version-1 reader refuses version 2.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: Version 3 stores what each rank holds of an array in a flat bucket (entries
+#: of kind "pieces": no per-array padding). Version 2 split every array over
+#: every rank, zero-padded, and added each flat entry's element ``order``;
+#: version 1 had row order throughout. Version 3 also adds ``model.weights``
+#: (``"trainable"``: a model file with only the trained parameters). All three
+#: are read; older readers refuse newer versions.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 
 # How a reader rebuilds each entry, written into every manifest so that the
 # format explains itself.
 LAYOUT_NOTE = (
-    "For each parameter of plan.buckets[*].slots and each entry name listed under "
-    "optimizers[k].parameters[path].entries: kind 'flat' means the entry has the "
-    "parameter's shape and was split into plan.world_size pieces of `cols` elements "
-    "(the flattened array, zero-padded to world_size * cols); piece r is key "
-    "'state/{k}/{path}/{name}' in shard file r; concatenate the pieces in rank "
-    "order, keep the first `size` elements and reshape to `shape`, except that an "
-    "entry with order 'F' lists the elements column by column: reshape to the "
-    "reversed shape and transpose. Kind 'whole' "
-    "means the entry is stored whole, with its own shape, in the file of shard "
-    "`source`. Top-level optimizer state is 'scalars/{k}/{name}' in shard file 0; "
-    "fp32 master weights (if listed under 'master') are 'master/{path}', laid out "
-    "like the entries. Model weights are in model.safetensors, keyed by path."
+    "For each parameter listed under optimizers[k].parameters[path] and each entry name "
+    "under its entries: kind 'pieces' means the entry is split over the shard files of "
+    "the ranks listed in `ranks`: concatenate key 'state/{k}/{path}/{name}' of those "
+    "files in that order (`size` elements) and reshape to `shape`, except that order 'F' "
+    "lists the elements column by column: reshape to the reversed shape and transpose. "
+    "Kind 'whole' means the entry is stored whole, with its own shape, under that key "
+    "in the file of shard `source`. Top-level optimizer state is 'scalars/{k}/{name}' "
+    "in shard file 0; fp32 master weights (if listed under 'master') are "
+    "'master/{path}', laid out like the entries. Model weights are in "
+    "model.safetensors, keyed by path."
 )
 
 
@@ -96,15 +100,39 @@ def read_header(path: str) -> dict:
 
     Reads only the JSON header (8-byte little-endian length, then JSON), not
     the arrays.
+
+    Raises:
+        CheckpointError: If the file is not a well-formed safetensors file.
     """
+    name = os.path.basename(path)
+
+    def bad(why):
+        return CheckpointError(f"{name} is not a valid safetensors file ({why}); the "
+                               "checkpoint is damaged.")
+
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise bad("shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise bad(f"its header length {n} exceeds the file")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise bad(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
     header.pop("__metadata__", None)
-    return {
-        k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
-        for k, v in header.items()
-    }
+    out = {}
+    for k, v in header.items():
+        if not (isinstance(v, dict) and isinstance(v.get("dtype"), str)
+                and isinstance(v.get("shape"), list)
+                and all(isinstance(d, int) and d >= 0 for d in v["shape"])):
+            raise bad(f"the header entry {k[:80]!r} has no dtype and shape")
+        out[k] = {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
+    return out
 
 
 def _jsonable(value):
@@ -148,71 +176,3 @@ def write_json(path: str, data: dict):
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_manifest(path: str) -> dict:
-    """Read and sanity-check ``path/manifest.json``.
-
-    Raises:
-        CheckpointError: naming the missing or malformed part, and pointing at
-            the leftovers of an interrupted save if there are any.
-    """
-    path = os.path.abspath(path)
-    file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(file):
-        parent, base = os.path.split(path.rstrip(os.sep))
-        hints = []
-        if os.path.isdir(os.path.join(parent, f".{base}.old")):
-            hints.append(
-                f" A save was interrupted while replacing it; the previous checkpoint "
-                f"is intact at {os.path.join(parent, '.' + base + '.old')}."
-            )
-        if os.path.isdir(os.path.join(parent, f".{base}.partial")):
-            hints.append(" An interrupted save left an incomplete .partial directory next to it.")
-        what = "has no manifest.json" if os.path.isdir(path) else "does not exist"
-        raise CheckpointError(f"The checkpoint {path} {what}; it is not a complete checkpoint."
-                              + "".join(hints))
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint is damaged.") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not an mlx_fsdp checkpoint manifest (no format={FORMAT!r}).")
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{file} has format_version={version!r}; this mlx_fsdp reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the mlx_fsdp version that wrote it "
-            f"({manifest.get('mlx_fsdp_version')})."
-        )
-    for key in ("files", "plan", "model", "optimizer", "optimizers", "layout"):
-        if key not in manifest:
-            raise CheckpointError(f"{file} lacks the '{key}' entry; the manifest is damaged.")
-    return manifest
-
-
-def verify_files(path: str, manifest: dict):
-    """Check that every file the manifest lists exists with its size and sha256.
-
-    Raises:
-        CheckpointError: naming the first missing, truncated or altered file.
-    """
-    for name, info in sorted(manifest["files"].items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(
-                f"The checkpoint {path} is missing {name} (listed in its manifest); "
-                "copy the whole directory, every shard file included."
-            )
-        size = os.path.getsize(file)
-        if size != info["bytes"]:
-            raise CheckpointError(
-                f"{name} in {path} has {size} bytes but the manifest says "
-                f"{info['bytes']}: the file is truncated or altered."
-            )
-        if sha256_file(file) != info["sha256"]:
-            raise CheckpointError(
-                f"{name} in {path} does not match its sha256 in the manifest: the "
-                "file is altered or corrupted."
-            )

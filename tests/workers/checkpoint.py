@@ -41,36 +41,44 @@ def sub_states(opt):
     return [o.state for o in getattr(inner, "optimizers", [inner])]
 
 
+def _node(tree, path):
+    for part in path.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
+
+
 def state_vs_reference(opt, ref_opt, group):
-    """Largest difference between this rank's state and the plain state, cut independently."""
-    n, rank = group.size(), group.rank()
+    """Largest difference between this rank's state and the plain state, cut independently.
+
+    The documented layout (README, "State layout"): a flat bucket is its arrays'
+    elements back to back (a sharded matrix column by column), zero-padded to
+    N * cols; rank r holds elements [r * cols, (r + 1) * cols) and keeps, per
+    array, the state of its piece of that range. Owned arrays are held whole
+    by their owner.
+    """
+    rank = group.rank()
     plan = getattr(opt, "plan", None)
-    owned = {s.path for b in plan.buckets for s in b.slots if s.owner is not None} if plan else set()
     worst = 0.0
-    for mine, ref in zip(sub_states(opt), sub_states(ref_opt)):
-        shards = mine.get("shards")
-        if shards is None:  # a plain layout: compare whole
-            worst = max(worst, by_key_diff(
-                {k: v for k, v in mine.items()}, {k: v for k, v in ref.items()}))
+    for o, (mine, ref) in enumerate(zip(sub_states(opt), sub_states(ref_opt))):
+        if plan is None or not plan.buckets:  # a plain layout: compare whole
+            worst = max(worst, by_key_diff(dict(mine), dict(ref)))
             continue
         worst = max(worst, abs(mine["step"].item() - ref["step"].item()))
-        for path, entries in shards.items():
-            node = ref
-            for part in path.split("."):
-                node = node[int(part)] if isinstance(node, list) else node[part]
-            for name, piece in entries.items():
-                if path in owned:  # whole, on its owner only
-                    assert piece.shape == node[name].shape, (path, name, piece.shape)
-                    worst = max(worst, mx.abs(piece - node[name]).max().item())
+        for b in plan.buckets:
+            if b.optimizer != o:
+                continue
+            lo, hi = rank * b.cols, (rank + 1) * b.cols
+            for s in b.slots:
+                begin, end = max(s.start, lo) - s.start, min(s.stop, hi) - s.start
+                if (b.owned and s.owner != rank) or (not b.owned and begin >= end):
+                    assert s.path not in mine, (s.path, "state on a rank that holds nothing of it")
                     continue
-                # The documented layout: a sharded matrix column by column.
-                whole = node[name]
-                flat = (whole.T if whole.ndim == 2 else whole).reshape(-1)
-                cols = -(-flat.size // n)
-                flat = mx.concatenate([flat, mx.zeros((n * cols - flat.size,), flat.dtype)])
-                expect = flat[rank * cols:(rank + 1) * cols]
-                assert piece.shape == expect.shape, (path, name, piece.shape, expect.shape)
-                worst = max(worst, mx.abs(piece - expect).max().item())
+                for name, piece in mine[s.path].items():
+                    whole = _node(ref, s.path)[name]
+                    if not b.owned:
+                        whole = (whole.T if whole.ndim == 2 else whole).reshape(-1)[begin:end]
+                    assert piece.shape == whole.shape, (s.path, name, piece.shape, whole.shape)
+                    worst = max(worst, mx.abs(piece - whole).max().item())
     # The sum over ranks bounds every rank's difference.
     return mx.distributed.all_sum(mx.array(worst), group=group).item()
 

@@ -13,6 +13,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 import mlx_fsdp
+from mlx_fsdp.fsdp import held_shapes
 
 mode, path = sys.argv[1], sys.argv[2]
 group = mx.distributed.init()
@@ -29,4 +30,6 @@ if mode == "save":
 else:
     mlx_fsdp.load_checkpoint(path, model, opt)
     mlx_fsdp.save_checkpoint(sys.argv[3], model, opt)
-report(group, n=group.size(), masters=len(opt.state.get("master", {})))
+held = held_shapes(opt.plan, group.rank(), 0)
+ok = set(opt.state["master"]) == set(held)
+report(group, n=group.size(), masters_held=mx.distributed.all_sum(mx.array(int(ok)), group=group).item())

@@ -13,6 +13,17 @@ from mlx.utils import tree_flatten, tree_map
 
 IN = 15
 
+if os.environ.get("MLX_FSDP_TEST_EMULATE_SUM_SCATTER"):
+    # The packed path of NCCL and JACCL on any backend: sum_scatter as
+    # all_sum, keeping this rank's contiguous part (what the native op returns).
+    def _sum_scatter(x, group=None, stream=None):
+        group = group or mx.distributed.init()
+        part = x.shape[0] // group.size()
+        summed = mx.distributed.all_sum(x, group=group, stream=stream)
+        return summed[group.rank() * part:(group.rank() + 1) * part]
+
+    mx.distributed.sum_scatter = _sum_scatter
+
 
 class OddModel(nn.Module):
     """Odd shapes ((7, 15), (15, 3), (16, 17)...), a scalar and a bfloat16 layer."""

@@ -26,4 +26,4 @@ try:
     mx.eval(opt.apply_gradients(grads, params))
     print(f"rank {group.rank()}: NO ERROR", flush=True)
 except ValueError as e:
-    print(f"rank {group.rank()}: ValueError: {e}", flush=True)
+    print(f"rank {group.rank()}: {type(e).__name__}: {e}", flush=True)

@@ -98,13 +98,13 @@ def owned_state_diff(fsdp, ref, plan, rank):
     worst, count, misplaced = 0.0, 0, 0
     for b in plan.buckets:
         for s in b.slots:
-            has = s.path in mine[b.optimizer].get("shards", {})
+            has = s.path in mine[b.optimizer]
             if s.owner is None or s.owner != rank:
                 misplaced += int(s.owner is not None and has)
                 continue
             misplaced += int(not has)
             count += 1
-            for k, v in mine[b.optimizer]["shards"][s.path].items():
+            for k, v in mine[b.optimizer][s.path].items():
                 r = ref_states[b.optimizer][f"{s.path}.{k}"]
                 assert v.shape == r.shape, (s.path, k, v.shape, r.shape)
                 worst = max(worst, mx.abs(v - r).max().item())

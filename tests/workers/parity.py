@@ -54,6 +54,7 @@ def run(group, name, max_norm, comm, bf16, steps):
     dtypes = sorted({str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(fsdp_model.parameters())})
     state_dtypes = {k: str(v.dtype).rsplit(".", 1)[-1] for k, v in tree_flatten(fsdp_model.parameters())}
     report(group, config=f"{name}:{max_norm}:{comm}:{int(bf16)}", n=n, steps=steps, dtypes=dtypes,
+           method=mlx_fsdp.reduce_scatter_method(group) if n > 1 else None,
            clipped=clipped, buckets=len(fsdp.plan.buckets) if fsdp.plan else 0,
            param_dtypes=state_dtypes, **worst)
 

@@ -17,6 +17,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 import mlx_fsdp
+from mlx_fsdp.fsdp import held_shapes
 
 STEPS = int(sys.argv[1])
 group = mx.distributed.init()
@@ -69,12 +70,16 @@ def run(reduce_dtype):
             mx.eval(ref_model.parameters(), ref_master, ref.state)
             worst_ref = max(worst_ref, ulps(fsdp_model.parameters(), ref_model.parameters()))
     masters = fsdp.state["master"]
+    held = held_shapes(fsdp.plan, group.rank(), 0)
+    # Over all ranks, exactly the masters DDP keeps: no padding is stored.
+    total = mx.distributed.all_sum(mx.array(state_bytes(masters)), group=group).item()
     report(group, reduce_dtype=str(reduce_dtype), n=n, ulps_vs_ddp=worst_ddp, ulps_vs_ref=worst_ref,
            param_dtypes=sorted({str(v.dtype) for _, v in tree_flatten(fsdp_model.parameters())}),
            master_dtypes=sorted({str(v.dtype) for v in masters.values()}),
            state_dtypes=sorted({str(v.dtype) for _, v in tree_flatten(fsdp.state["optimizer"]) if v.ndim}),
            master_fraction=state_bytes(masters) / max(1, state_bytes(ddp.state["master"])),
-           num_masters=len(masters), num_params=len(tree_flatten(fsdp_model.parameters())))
+           masters_total_over_ddp=total / state_bytes(ddp.state["master"]),
+           masters_are_what_this_rank_holds=set(masters) == set(held))
 
 
 run(None)

@@ -1,0 +1,182 @@
+"""The memory planner against measurement: predicted vs real bytes per rank.
+
+For each model, optimizer and mode, in a phase of its own: build the model
+and the real wrapper (``ddp_step`` or ``fsdp_step``), take one step with
+fixed, precomputed gradients (which builds the state and the plan), then
+reset the peak and take a second step with the same gradients: no forward
+or backward pass, so the peak is the optimizer step's own (parameters,
+gradients, state, masters, communication buffers and the update's
+temporaries), which is what ``python -m mlx_fsdp.plan_memory`` predicts,
+less the temporaries. Each rank reports:
+
+* **state**: bytes of every array of ``opt.state["optimizer"]`` (scalars
+  included) and of ``opt.state["master"]``, against the planner's
+  prediction for this rank: they must be equal;
+* **peak**: ``mx.get_peak_memory()`` of the second step, against the
+  predicted peak (max over ranks of both).
+
+Models: the MLP of ``bench_step.py`` and the byte-level GPT of
+``examples/lm.py``. Rank 0 prints one markdown row per point.
+
+    mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py
+    mpirun --allow-run-as-root --oversubscribe -n 4 python benchmarks/bench_plan_memory.py
+    python benchmarks/bench_plan_memory.py --models mlp --optimizers adamw muon --json out.json
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, HERE)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+import mlx_fsdp  # noqa: E402
+from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
+from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
+from _common import MLP  # noqa: E402
+from lm import ByteGPT  # noqa: E402
+from lm import loss_fn as lm_loss  # noqa: E402
+
+MiB = 1024**2
+
+
+def build(name: str, args):
+    """The model ``name`` names, initialized from seed 0 (the same on every rank)."""
+    mx.random.seed(0)
+    if name == "mlp":
+        model = MLP(args.hidden, args.layers)
+    else:
+        model = ByteGPT(args.dims, args.gpt_layers, heads=4, seq_len=64)
+    if args.dtype != "float32":
+        model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def gradients(model, name: str, rank: int):
+    """This rank's gradients from one real backward pass, evaluated and then held fixed.
+
+    Real gradients, not random arrays: MLX returns a ``Linear`` weight's
+    gradient as a transposed view, and the step's copies depend on that.
+    """
+    key = mx.random.key(100 + rank)
+    if name == "mlp":
+        x = mx.random.normal((8, model.layers[0].weight.shape[1]), key=key)
+        loss = lambda m: (m(x).astype(mx.float32) ** 2).mean()  # noqa: E731
+    else:
+        tokens = mx.random.randint(0, 256, (4, 33), key=key)
+        loss = lambda m: lm_loss(m, tokens[:, :-1], tokens[:, 1:])  # noqa: E731
+    _, grads = nn.value_and_grad(model, loss)(model)
+    mx.eval(grads)
+    return grads
+
+
+def wrapper(optimizer: str, mode: str, args, group):
+    """The real ``ddp_step`` / ``fsdp_step`` for this point."""
+    kwargs = dict(group=group, communication_size=args.communication_size,
+                  master_dtype=mx.float32 if args.dtype != "float32" else None)
+    if args.accumulation != "none":
+        kwargs["grad_accumulation_steps"] = 2
+        if mode == "fsdp":
+            kwargs["accumulation"] = args.accumulation
+    wrap = mlx_fsdp.fsdp_step if mode == "fsdp" else mlx_fsdp.ddp_step
+    return wrap(optimizers.make(optimizer), **kwargs)
+
+
+def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
+    """One phase: the real step's bytes and peak, and the planner's prediction.
+
+    With accumulation (two micro-batches per step), the carried sum is
+    measured after the first micro-batch of the second step, and the peak
+    over the step that finishes it.
+    """
+    gc.collect()
+    mx.clear_cache()
+    model = build(model_name, args)
+    opt = wrapper(optimizer, mode, args, group)
+    grads = gradients(model, model_name, group.rank())
+    predicted = estimate(
+        shapes.from_tree(model.trainable_parameters(), model_name), optimizer, mode,
+        group.size(), master_dtype="float32" if args.dtype != "float32" else None,
+        communication_size=args.communication_size, accumulation=args.accumulation,
+    )
+    mine = predicted[group.rank() if mode == "fsdp" else 0]
+    calls = 2 if args.accumulation == "none" else 4
+    for call in range(calls):
+        if call == calls - 1:
+            accumulated = tree_bytes(opt.state.get("accumulated", {}))
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+    row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
+                    tree_bytes(opt.state.get("master", {})), mine.masters,
+                    accumulated, mine.accumulation, mx.get_peak_memory()], mx.int64)
+    rows = mx.distributed.all_gather(row[None], group=group).tolist()
+    del model, opt, grads
+    gc.collect()
+    mx.clear_cache()
+    out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size()}
+    for i, name in enumerate(("state", "masters", "accumulation")):
+        out[name + "_measured"] = [r[2 * i] for r in rows]
+        out[name + "_predicted"] = [r[2 * i + 1] for r in rows]
+    out["equal"] = all(r[0] == r[1] and r[2] == r[3] and r[4] == r[5] for r in rows)
+    out["peak_measured"] = max(r[6] for r in rows)
+    out["peak_predicted"] = max(r.peak for r in predicted)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", choices=("mlp", "gpt"), default=["mlp", "gpt"])
+    p.add_argument("--optimizers", nargs="+", choices=list(optimizers.OPTIMIZERS),
+                   default=list(optimizers.OPTIMIZERS))
+    p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
+    p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
+    p.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
+    p.add_argument("--dims", type=int, default=128, help="GPT width (default 128)")
+    p.add_argument("--gpt-layers", type=int, default=2, help="GPT blocks (default 2)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter dtype; bfloat16 gets float32 masters (default float32)")
+    p.add_argument("--communication-size", type=int, default=32 * MiB,
+                   help="bucket budget in bytes (default 32 MiB)")
+    p.add_argument("--accumulation", choices=("none", "local", "sharded"), default="none",
+                   help="two micro-batches per step, accumulated so (DDP: always "
+                   "local; default none)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    group = mx.distributed.init()
+    rows = [measure(m, o, mode, args, group)
+            for m in args.models for o in args.optimizers for mode in args.modes]
+    if group.rank() != 0:
+        return
+    print(f"N={group.size()}, {args.dtype}, accumulation {args.accumulation}, MLP "
+          f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}; bytes of rank 0, "
+          "equal = on every rank; peak: max over ranks")
+    print("| model | optimizer | mode | state B | masters B | accumulated B | equal | "
+          "peak predicted MiB | peak measured MiB | measured / predicted |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['optimizer']} | {r['mode']} | {r['state_measured'][0]} | "
+              f"{r['masters_measured'][0]} | {r['accumulation_measured'][0]} | "
+              f"{'yes' if r['equal'] else 'NO'} | {r['peak_predicted'] / MiB:.2f} | "
+              f"{r['peak_measured'] / MiB:.2f} | {r['peak_measured'] / r['peak_predicted']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

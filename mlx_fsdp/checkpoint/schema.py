@@ -1,0 +1,430 @@
+"""The manifest's schema: every field checked before any is used.
+
+A manifest is plain JSON that anyone can edit, copy half of, or write by
+hand, so nothing in it is trusted: :func:`validate` checks the type, the range
+and the consistency of every field that loading or consolidating reads (the
+plan against the per-optimizer description, the model section against the
+plan, the file list against the number of shards), and
+:func:`check_contents` checks the shard files' headers against the manifest
+before an array is read. Each problem raises a
+:class:`~mlx_fsdp.checkpoint.manifest.CheckpointError` that names the field,
+e.g. ``manifest field files['../x']: ...``, instead of a ``KeyError`` or a
+reshape error deep inside the load.
+"""
+
+import re
+from typing import Dict, List, Optional
+
+from .manifest import (
+    MODEL_FILE,
+    CheckpointError,
+    master_key,
+    scalar_key,
+    shard_file,
+    state_key,
+)
+
+#: Names of the dtypes a checkpoint may hold.
+DTYPES = frozenset({
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex64",
+})
+#: "pieces" (format 3): the entry split over the files of the ranks that hold
+#: it; "flat" (formats 1 and 2): split over every rank, zero-padded; "whole".
+KINDS = ("pieces", "flat", "whole")
+ORDERS = ("C", "F")
+WEIGHTS = ("all", "trainable")
+LAYOUTS = ("sharded", "plain")
+_SHARD = re.compile(r"optimizer-(\d{5,})-of-(\d{5,})\.safetensors")
+
+
+class _Fields:
+    """Checks values of one manifest, raising errors that name the manifest and the field."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def fail(self, where: str, problem: str):
+        raise CheckpointError(
+            f"The checkpoint manifest {self.file} is invalid: manifest field {where} {problem}. "
+            "The manifest was edited or damaged; restore it from the original save."
+        )
+
+    def get(self, obj: dict, key: str, where: str, *, optional: bool = False, default=None):
+        if key not in obj:
+            if optional:
+                return default
+            self.fail(f"{where}.{key}" if where else key, "is missing")
+        return obj[key]
+
+    def dict(self, value, where: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(where, f"must be a JSON object, not {_show(value)}")
+        return value
+
+    def list(self, value, where: str) -> list:
+        if not isinstance(value, list):
+            self.fail(where, f"must be a JSON list, not {_show(value)}")
+        return value
+
+    def int(self, value, where: str, low: int = 0, high: Optional[int] = None) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.fail(where, f"must be an integer, not {_show(value)}")
+        if value < low or (high is not None and value >= high):
+            bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+            self.fail(where, f"is {value}, which is not {bound}")
+        return value
+
+    def str(self, value, where: str, choices=None) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(where, f"must be a non-empty string, not {_show(value)}")
+        if choices is not None and value not in choices:
+            self.fail(where, f"is {value!r}, not one of {', '.join(map(repr, choices))}")
+        return value
+
+    def shape(self, value, where: str) -> List[int]:
+        self.list(value, where)
+        for i, d in enumerate(value):
+            self.int(d, f"{where}[{i}]")
+        return value
+
+    def dtype(self, value, where: str) -> str:
+        return self.str(value, where, sorted(DTYPES))
+
+    def equal(self, value, expected, where: str, what: str):
+        if value != expected:
+            self.fail(where, f"is {_show(value)}, but {what} is {_show(expected)}")
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _key(where: str, key) -> str:
+    return f"{where}[{_show(key)}]"
+
+
+def _size(shape) -> int:
+    size = 1
+    for d in shape:
+        size *= d
+    return size
+
+
+def _optimizer(f: _Fields, desc, where: str) -> int:
+    """The optimizer description; returns how many state sections it needs."""
+    f.dict(desc, where)
+    f.str(f.get(desc, "class", where), f"{where}.class")
+    f.str(f.get(desc, "module", where, optional=True, default="-"), f"{where}.module")
+    f.dict(f.get(desc, "hyperparameters", where, optional=True, default={}),
+           f"{where}.hyperparameters")
+    for i, name in enumerate(f.list(f.get(desc, "scheduled", where, optional=True, default=[]),
+                                    f"{where}.scheduled")):
+        f.str(name, f"{where}.scheduled[{i}]")
+    subs = f.get(desc, "sub_optimizers", where, optional=True)
+    if subs is None:
+        return 1
+    f.list(subs, f"{where}.sub_optimizers")
+    if not subs:
+        f.fail(f"{where}.sub_optimizers", "is empty")
+    for i, sub in enumerate(subs):
+        if _optimizer(f, sub, f"{where}.sub_optimizers[{i}]") != 1:
+            f.fail(f"{where}.sub_optimizers[{i}]", "nests another MultiOptimizer")
+    return len(subs)
+
+
+def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
+    """The plan; returns ``{path: (optimizer index, slot, param dtype)}``."""
+    f.dict(plan, "plan")
+    world = f.int(f.get(plan, "world_size", "plan"), "plan.world_size", 1)
+    f.int(f.get(plan, "communication_size", "plan"), "plan.communication_size", -(1 << 62))
+    slots, indices = {}, set()
+    for b, bucket in enumerate(f.list(f.get(plan, "buckets", "plan"), "plan.buckets")):
+        where = f"plan.buckets[{b}]"
+        f.dict(bucket, where)
+        k = f.int(f.get(bucket, "optimizer", where), f"{where}.optimizer", 0, num_optimizers)
+        f.dtype(f.get(bucket, "dtype", where), f"{where}.dtype")
+        param_dtype = f.dtype(f.get(bucket, "param_dtype", where), f"{where}.param_dtype")
+        f.int(f.get(bucket, "cols", where), f"{where}.cols")
+        for s, slot in enumerate(f.list(f.get(bucket, "slots", where), f"{where}.slots")):
+            at = f"{where}.slots[{s}]"
+            f.dict(slot, at)
+            path = f.str(f.get(slot, "path", at), f"{at}.path")
+            if path in slots:
+                f.fail(f"{at}.path", f"repeats {path!r}, which another slot already has")
+            index = f.int(f.get(slot, "index", at), f"{at}.index")
+            if index in indices:
+                f.fail(f"{at}.index", f"repeats {index}, which another slot already has")
+            indices.add(index)
+            shape = f.shape(f.get(slot, "shape", at), f"{at}.shape")
+            f.equal(f.int(f.get(slot, "size", at), f"{at}.size"), _size(shape), f"{at}.size",
+                    "the product of its shape")
+            for name in ("start", "cols", "offset"):  # format 3 has start, 1 and 2 the others
+                f.int(f.get(slot, name, at, optional=True, default=0), f"{at}.{name}")
+            owner = f.get(slot, "owner", at, optional=True)
+            if owner is not None:
+                f.int(owner, f"{at}.owner", 0, world)
+            f.str(f.get(slot, "order", at, optional=True, default="C"), f"{at}.order", ORDERS)
+            slots[path] = (k, slot, param_dtype)
+    if not slots:
+        f.fail("plan.buckets", "holds no parameter")
+    return slots
+
+
+def _entry(f: _Fields, entry, where: str, param: dict, param_where: str, num_shards: int):
+    f.dict(entry, where)
+    kind = f.str(f.get(entry, "kind", where), f"{where}.kind", KINDS)
+    f.dtype(f.get(entry, "dtype", where), f"{where}.dtype")
+    shape = f.shape(f.get(entry, "shape", where), f"{where}.shape")
+    f.str(f.get(entry, "order", where, optional=True, default="C"), f"{where}.order", ORDERS)
+    if kind == "whole":
+        source = f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
+        if param.get("owner") is not None:
+            f.equal(source, param["owner"], f"{where}.source", "the parameter's owner")
+        return
+    f.equal(shape, param["shape"], f"{where}.shape", "the parameter's shape")
+    if param.get("owner") is not None:
+        f.fail(f"{where}.kind", f"is {kind!r}, but the parameter is kept whole on an owner rank")
+    if kind == "pieces":
+        ranks = f.list(f.get(entry, "ranks", where), f"{where}.ranks")
+        for i, r in enumerate(ranks):
+            f.int(r, f"{where}.ranks[{i}]", 0, num_shards)
+        if not ranks or ranks != sorted(set(ranks)):
+            f.fail(f"{where}.ranks", f"is {_show(ranks)}; it must list the ranks that hold "
+                   "pieces, each once, in increasing order")
+        return
+    f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
+    cols = f.int(f.get(param, "cols", param_where), f"{param_where}.cols")
+    if num_shards * cols < param["size"]:
+        f.fail(where, f"is flat, but {num_shards} pieces of {cols} elements cannot hold the "
+               f"parameter's {param['size']}")
+
+
+def _parameter(f: _Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
+    f.dict(param, where)
+    f.shape(f.get(param, "shape", where), f"{where}.shape")
+    f.int(f.get(param, "size", where), f"{where}.size")
+    for name in ("shape", "size"):
+        f.equal(param[name], slot[name], f"{where}.{name}", f"the plan slot's {name}")
+    if "cols" in param:  # formats 1 and 2
+        f.equal(param["cols"], slot.get("cols"), f"{where}.cols", "the plan slot's cols")
+    f.equal(f.get(param, "owner", where, optional=True), slot.get("owner"), f"{where}.owner",
+            "the plan slot's owner")
+    f.equal(f.get(param, "dtype", where), param_dtype, f"{where}.dtype", "the plan bucket's param_dtype")
+    for name, entry in f.dict(f.get(param, "entries", where), f"{where}.entries").items():
+        if not name or "." in name or "/" in name:
+            f.fail(_key(f"{where}.entries", name), "is not a state entry name (no '.' or '/')")
+        _entry(f, entry, _key(f"{where}.entries", name), param, where, num_shards)
+
+
+def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
+    f.list(sections, "optimizers")
+    if len(sections) != count:
+        f.fail("optimizers", f"has {len(sections)} sections, but the optimizer has {count} "
+               "(sub-)optimizers")
+    for k, section in enumerate(sections):
+        where = f"optimizers[{k}]"
+        f.dict(section, where)
+        scalars = f.dict(f.get(section, "scalars", where), f"{where}.scalars")
+        if "step" not in scalars:
+            f.fail(f"{where}.scalars", "has no 'step' (every optimizer state counts its steps)")
+        for name, info in scalars.items():
+            at = _key(f"{where}.scalars", name)
+            f.dict(info, at)
+            if not name or "/" in name:
+                f.fail(at, "is not a state entry name")
+            f.dtype(f.get(info, "dtype", at), f"{at}.dtype")
+            value = f.get(info, "value", at, optional=True)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                f.fail(f"{at}.value", f"must be a number, not {_show(value)}")
+        params = f.dict(f.get(section, "parameters", where), f"{where}.parameters")
+        expected = {p for p, (o, _, _) in slots.items() if o == k}
+        for path in sorted(set(params) - expected):
+            f.fail(_key(f"{where}.parameters", path), f"is not a parameter of sub-optimizer {k} "
+                   "in the plan")
+        for path in sorted(expected - set(params)):
+            f.fail(_key(f"{where}.parameters", path), "is missing (the plan lists it)")
+        for path, param in params.items():
+            _, slot, dtype = slots[path]
+            _parameter(f, param, _key(f"{where}.parameters", path), slot, dtype, num_shards)
+
+
+def _model(f: _Fields, model, slots: Dict[str, tuple]):
+    f.dict(model, "model")
+    f.equal(f.get(model, "file", "model"), MODEL_FILE, "model.file", "the model file's name")
+    params = f.dict(f.get(model, "parameters", "model"), "model.parameters")
+    if not params:
+        f.fail("model.parameters", "is empty")
+    for path, info in params.items():
+        where = _key("model.parameters", path)
+        if not path:
+            f.fail(where, "is not a parameter path")
+        f.dict(info, where)
+        f.shape(f.get(info, "shape", where), f"{where}.shape")
+        f.dtype(f.get(info, "dtype", where), f"{where}.dtype")
+    for path, (_, slot, dtype) in slots.items():
+        where = _key("model.parameters", path)
+        if path not in params:
+            f.fail(where, "is missing (the plan trains it)")
+        f.equal(params[path]["shape"], slot["shape"], f"{where}.shape", "the plan slot's shape")
+        f.equal(params[path]["dtype"], dtype, f"{where}.dtype", "the plan bucket's param_dtype")
+    weights = f.str(f.get(model, "weights", "model", optional=True, default="all"),
+                    "model.weights", WEIGHTS)
+    if weights == "all":
+        return
+    stored = f.list(f.get(model, "stored", "model"), "model.stored")
+    for i, path in enumerate(stored):
+        if not isinstance(path, str) or path not in params:
+            f.fail(f"model.stored[{i}]", f"is {_show(path)}, not a path of model.parameters")
+    if len(set(stored)) != len(stored):
+        f.fail("model.stored", "lists a parameter twice")
+    for path in slots:
+        if path not in stored:
+            f.fail("model.stored", f"lacks {path!r}, which the plan trains")
+
+
+def _files(f: _Fields, files, num_shards: int):
+    f.dict(files, "files")
+    last = shard_file(num_shards - 1, num_shards)
+    for name, info in files.items():
+        where = _key("files", name)
+        match = _SHARD.fullmatch(name)
+        if name != MODEL_FILE and not (
+            match and int(match[1]) < num_shards and name == shard_file(int(match[1]), num_shards)
+        ):
+            f.fail(where, f"is not a file of this checkpoint (its files are {MODEL_FILE} and "
+                   f"{shard_file(0, num_shards)}{' ... ' + last if num_shards > 1 else ''})")
+        f.dict(info, where)
+        digest = f.str(f.get(info, "sha256", where), f"{where}.sha256")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            f.fail(f"{where}.sha256", "must be 64 lower-case hexadecimal digits")
+        f.int(f.get(info, "bytes", where), f"{where}.bytes")
+    if MODEL_FILE not in files:
+        f.fail("files", f"lacks {MODEL_FILE}")
+    if len(files) != num_shards + 1:
+        # At most len(files) names are present, so this stops early.
+        missing = next(n for n in (shard_file(r, num_shards) for r in range(num_shards))
+                       if n not in files)
+        f.fail("files", f"lacks {missing} (layout.num_shards is {num_shards})")
+
+
+def validate(manifest: dict, file: str) -> dict:
+    """Check every field of a manifest that loading or consolidating reads.
+
+    Args:
+        manifest (dict): The parsed JSON (``format`` and ``format_version``
+            already checked).
+        file (str): The manifest's path, for messages.
+
+    Returns:
+        dict: ``manifest``, unchanged.
+
+    Raises:
+        CheckpointError: Naming the first bad field.
+    """
+    f = _Fields(file)
+    f.int(f.get(manifest, "step", ""), "step")
+    f.int(f.get(manifest, "world_size", ""), "world_size", 1)
+    for name in ("mlx_fsdp_version", "mlx_version"):
+        f.str(f.get(manifest, name, "", optional=True, default="-"), name)
+    wrapper = f.get(manifest, "wrapper", "", optional=True)
+    if wrapper is not None:
+        f.dict(wrapper, "wrapper")
+    layout = f.dict(f.get(manifest, "layout", ""), "layout")
+    f.str(f.get(layout, "kind", "layout"), "layout.kind", LAYOUTS)
+    num_shards = f.int(f.get(layout, "num_shards", "layout"), "layout.num_shards", 1)
+    _files(f, f.get(manifest, "files", ""), num_shards)
+    count = _optimizer(f, f.get(manifest, "optimizer", ""), "optimizer")
+    slots = _plan(f, f.get(manifest, "plan", ""), count)
+    f.equal(manifest["plan"]["world_size"], num_shards, "plan.world_size", "layout.num_shards")
+    _optimizers(f, f.get(manifest, "optimizers", ""), count, slots, num_shards)
+    first = manifest["optimizers"][0]["scalars"]["step"].get("value")
+    if first is not None:
+        f.equal(manifest["step"], first, "step", "optimizers[0].scalars['step'].value")
+    master = f.dict(f.get(manifest, "master", "", optional=True, default={}), "master")
+    for path, entry in master.items():
+        if path not in slots:
+            f.fail(_key("master", path), "is not a parameter of the plan")
+        k = slots[path][0]
+        at = _key(f"optimizers[{k}].parameters", path)
+        _entry(f, entry, _key("master", path), manifest["optimizers"][k]["parameters"][path],
+               at, num_shards)
+    _model(f, f.get(manifest, "model", ""), slots)
+    return manifest
+
+
+def stored_weights(manifest: dict) -> List[str]:
+    """The model parameters that the model file holds (all, or the trainable ones)."""
+    model = manifest["model"]
+    if model.get("weights", "all") == "trainable":
+        return list(model["stored"])
+    return list(model["parameters"])
+
+
+def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
+    """Check that every array the manifest lists is in its file, with its shape and dtype.
+
+    Args:
+        manifest (dict): A :func:`validate`-d manifest.
+        headers (dict): ``{file name: {key: {"dtype", "shape"}}}`` of every file.
+
+    Raises:
+        CheckpointError: Naming the file, the key and what differs.
+    """
+    def expect(name: str, key: str, shape, dtype: str):
+        info = headers[name].get(key)
+        if info is None:
+            raise CheckpointError(
+                f"{name} lacks '{key}', which the manifest lists; the checkpoint is inconsistent.")
+        if list(info["shape"]) != list(shape) or info["dtype"] != dtype:
+            raise CheckpointError(
+                f"{name} holds '{key}' as {tuple(info['shape'])} {info['dtype']}, but the "
+                f"manifest says {tuple(shape)} {dtype}; the checkpoint is inconsistent.")
+
+    model = manifest["model"]
+    stored = stored_weights(manifest)
+    extra = sorted(set(headers[model["file"]]) - set(stored))
+    if extra:
+        raise CheckpointError(f"{model['file']} holds '{extra[0]}', which the manifest does not "
+                              "list; the checkpoint is inconsistent.")
+    for path in stored:
+        info = model["parameters"][path]
+        expect(model["file"], path, info["shape"], info["dtype"])
+    num_shards = manifest["plan"]["world_size"]
+    shards = [shard_file(r, num_shards) for r in range(num_shards)]
+
+    def entry(key: str, e: dict, p: dict):
+        if e["kind"] == "whole":
+            expect(shards[e["source"]], key, e["shape"], e["dtype"])
+        elif e["kind"] == "flat":
+            for name in shards:
+                expect(name, key, [p["cols"]], e["dtype"])
+        else:
+            held = 0
+            for r in e["ranks"]:
+                shape = headers[shards[r]].get(key, {}).get("shape", [0])
+                if len(shape) != 1:
+                    raise CheckpointError(
+                        f"{shards[r]} holds '{key}' as {tuple(shape)}, but a piece is 1-D; the "
+                        "checkpoint is inconsistent.")
+                expect(shards[r], key, shape, e["dtype"])
+                held += shape[0]
+            if held != p["size"]:
+                raise CheckpointError(
+                    f"The pieces of '{key}' in {', '.join(shards[r] for r in e['ranks'])} hold "
+                    f"{held} elements, but the manifest says {p['size']}; the checkpoint is "
+                    "inconsistent.")
+
+    params = {}
+    for k, section in enumerate(manifest["optimizers"]):
+        for name, info in section["scalars"].items():
+            key = scalar_key(k, name)
+            shape = headers[shards[0]].get(key, {}).get("shape", [])
+            expect(shards[0], key, shape, info["dtype"])
+        for path, p in section["parameters"].items():
+            params[path] = p
+            for name, e in p["entries"].items():
+                entry(state_key(k, path, name), e, p)
+    for path, e in manifest.get("master", {}).items():
+        entry(master_key(path), e, params[path])

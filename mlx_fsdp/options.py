@@ -1,0 +1,183 @@
+"""The settings of a distributed step, validated once.
+
+:func:`mlx_fsdp.fsdp_step`, :func:`mlx_fsdp.ddp_step` and
+:func:`mlx_fsdp.fsdp_apply_gradients` all build an :class:`Options` with
+:func:`make_options`, so every entry point refuses the same bad values with the
+same message, before any collective starts.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from . import placement as _placement
+
+#: How gradients are accumulated over micro-batches.
+ACCUMULATION_MODES = ("local", "sharded")
+
+# What only the sharded step has.
+_SHARDED_ONLY = {"dp_group", "placement", "accumulation"}
+
+_global = []
+
+
+def group_or_global(group):
+    """``group`` itself, or the global group for ``None`` (MLX's convention).
+
+    The global group is fetched once so that it is one Python object, and what
+    is learned about it (its collectives' capabilities) is learned once.
+    """
+    if group is not None:
+        return group
+    if not _global:
+        _global.append(mx.distributed.init())
+    return _global[0]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a distributed step needs besides the optimizer and the trees.
+
+    See :func:`mlx_fsdp.fsdp_step` for the meaning of each field.
+    """
+
+    group: Any
+    dp_group: Any = None
+    max_norm: Optional[float] = None
+    communication_size: int = 32 * 1024**2
+    communication_stream: Optional[mx.Stream] = None
+    master_dtype: Optional[mx.Dtype] = None
+    reduce_dtype: Optional[mx.Dtype] = None
+    grad_accumulation_steps: int = 1
+    accumulation: str = "local"
+    placement: Any = None
+    timeout: Optional[float] = None
+
+    @property
+    def world_size(self) -> int:
+        """All data-parallel ranks: the shard group times the replica group."""
+        return self.group.size() * (self.dp_group.size() if self.dp_group is not None else 1)
+
+
+def _is_group(g) -> bool:
+    return all(callable(getattr(g, name, None)) for name in ("rank", "size"))
+
+
+def _check_group(name: str, g):
+    if g is not None and not _is_group(g):
+        raise ValueError(
+            f"{name}={g!r} is not an mx.distributed.Group; pass a group from "
+            "mx.distributed.init() (or its split), or None for the global group."
+        )
+
+
+def _check_number(name: str, value, *, allow_none: bool, positive: bool, fix: str):
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and not value > 0):
+        need = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name}={value!r} must be {need}{' (or None)' if allow_none else ''}; {fix}")
+
+
+def _check_dtype(name: str, dtype):
+    if dtype is not None and (not isinstance(dtype, mx.Dtype)
+                              or not mx.issubdtype(dtype, mx.floating)):
+        raise ValueError(
+            f"{name}={dtype!r} must be a floating mlx dtype such as mx.float32 "
+            "(or None to keep the gradients' or parameters' own dtype)."
+        )
+
+
+def _check_learning_rates(optimizer):
+    parts = optimizer.optimizers if isinstance(optimizer, optim.MultiOptimizer) else [optimizer]
+    for part in parts:
+        if "learning_rate" in getattr(part, "_schedulers", {}):
+            continue  # a schedule is code; its values are checked across ranks every step
+        lr = part.state.get("learning_rate")
+        if isinstance(lr, mx.array) and lr.size == 1 and not math.isfinite(lr.item()):
+            raise ValueError(
+                f"{type(part).__name__} has learning_rate={lr.item()!r}; it must be a finite "
+                "number. Check how the rate is computed (a division by zero, a bad flag)."
+            )
+
+
+def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
+    """Validate the keyword arguments of a wrapper and return its :class:`Options`.
+
+    Args:
+        optimizer (mlx.optimizers.Optimizer): The optimizer to be wrapped.
+        sharded (bool): ``True`` for ``fsdp_step`` (all options), ``False``
+            for ``ddp_step`` (no ``dp_group``, ``placement`` or
+            ``accumulation``: it accumulates locally).
+        **kwargs: The fields of :class:`Options`; ``group=None`` means the
+            global group.
+
+    Raises:
+        ValueError: Naming the bad value, the constraint and the fix.
+    """
+    if not isinstance(optimizer, optim.Optimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r} is not an mlx.optimizers.Optimizer; wrap "
+            "an optimizer instance, e.g. optim.AdamW(learning_rate=3e-4)."
+        )
+    _check_learning_rates(optimizer)
+    allowed = set(Options.__dataclass_fields__) - (set() if sharded else _SHARDED_ONLY)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        only = [k for k in unknown if k in _SHARDED_ONLY]
+        name = "fsdp_step" if sharded else "ddp_step"
+        what = (f"{only}, which only fsdp_step has" if only else f"the unknown option(s) {unknown}")
+        raise ValueError(f"{name} got {what}; its options are {', '.join(sorted(allowed))}.")
+    _check_group("group", kwargs.get("group"))
+    _check_group("dp_group", kwargs.get("dp_group"))
+    opts = Options(**{**kwargs, "group": group_or_global(kwargs.get("group"))})
+    _check_number("max_norm", opts.max_norm, allow_none=True, positive=True,
+                  fix="clipping to 0 would zero every update; pass None to disable clipping.")
+    size = opts.communication_size
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise ValueError(
+            f"communication_size={size!r} must be an int number of bytes (<= 0 puts "
+            "every array in its own bucket)."
+        )
+    if opts.communication_stream is not None and not isinstance(opts.communication_stream, mx.Stream):
+        raise ValueError(
+            f"communication_stream={opts.communication_stream!r} must be an mx.Stream, e.g. "
+            "mx.new_stream(mx.default_device()), or None."
+        )
+    _check_dtype("master_dtype", opts.master_dtype)
+    _check_dtype("reduce_dtype", opts.reduce_dtype)
+    k = opts.grad_accumulation_steps
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(
+            f"grad_accumulation_steps={k!r} must be an int >= 1 (1 steps on every call "
+            "of update)."
+        )
+    if opts.accumulation not in ACCUMULATION_MODES:
+        raise ValueError(
+            f"accumulation={opts.accumulation!r} is not supported here; use one of "
+            f"{', '.join(map(repr, ACCUMULATION_MODES))}."
+        )
+    _check_number("timeout", opts.timeout, allow_none=True, positive=True,
+                  fix="it is the seconds a rank may wait in a collective before the "
+                  "watchdog ends it; None turns the watchdog off.")
+    if sharded:
+        _placement.resolve(optimizer, opts.placement)
+        _check_tiling(opts)
+    return opts
+
+
+def _check_tiling(opts: Options):
+    if opts.dp_group is None:
+        return
+    world = group_or_global(None).size()
+    if opts.group.size() * opts.dp_group.size() != world:
+        raise ValueError(
+            f"The shard group has {opts.group.size()} ranks and dp_group has "
+            f"{opts.dp_group.size()}, but their product must be the world size {world} "
+            "(each rank in exactly one shard and one replica group). Make both "
+            "with mlx_fsdp.hybrid_groups(shard_size)."
+        )

@@ -1,0 +1,213 @@
+"""Per-rank bytes of one training configuration, computed from shape-only arrays.
+
+Every array here is built with ``mx.zeros(shape, dtype)`` and never
+evaluated: MLX computes shapes and dtypes when an operation is recorded and
+allocates nothing until evaluation, so a 70B model costs no memory to plan.
+The optimizer state is what the real ``mlx.optimizers`` optimizer builds
+when it is initialized on those arrays (for FSDP, on this rank's pieces; see
+:mod:`mlx_fsdp.plan_memory.sharding`).
+
+What is counted, per rank (all ranks hold the whole model in both modes):
+
+* **parameters** and **gradients** (the gradient tree the caller holds, in
+  the parameters' dtype; a quantized layer, one with an integer
+  ``weight``, is frozen whole and gets none, as MLX freezes it);
+* **accumulation**: with gradient accumulation, the running sum: the whole
+  gradient (``"local"``) or this rank's reduced pieces (``"sharded"``,
+  FSDP only);
+* **optimizer state** and **masters** (``master_dtype`` copies of
+  parameters of another dtype);
+* **communication**: DDP, the averaged gradients (the all-reduce's output,
+  alive until the update has used them); FSDP, at the fuller of its two
+  phases, the reduced pieces and the largest packed bucket (twice: sent and
+  summed) while it reduce-scatters, or the updated pieces while it
+  all-gathers;
+* **new parameters**: the step returns a new copy of the parameters, which
+  lives next to the old one until ``model.update`` drops it (FSDP: the
+  gathered buckets, padding included, whose views the parameters are).
+
+The **peak** is their sum: the memory of one optimizer step given the
+gradients (the model-state peak; activations are excluded, as they are in
+DeepSpeed's estimator). The optimizer's own arithmetic temporaries are
+excluded too: MLX's scheduler decides how many live at once. The README
+states the margin measured against ``mx.get_peak_memory``.
+"""
+
+from dataclasses import asdict, dataclass, fields
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import optimizers
+from .shapes import Model
+from .sharding import _fsdp_state, plain_state
+
+MODES = ("ddp", "fsdp")
+ACCUMULATION = ("none", "local", "sharded")
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array in a tree (scalars included), without evaluating."""
+    return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
+
+
+def _floating(dtype: str) -> bool:
+    return mx.issubdtype(getattr(mx, dtype), mx.floating)
+
+
+def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], int]:
+    """Unevaluated zeros for the trainable arrays, and the bytes of all arrays.
+
+    Args:
+        model (Model): The model.
+        dtype (str, optional): Cast every floating array to this dtype.
+            Default: ``None`` (as stored).
+
+    Returns:
+        tuple: ``(path, array)`` of every floating (trainable) array, and the
+        bytes of the parameters, frozen ones included.
+    """
+    # A quantized layer (nn.QuantizedLinear) keeps integer weights with
+    # floating scales, biases and bias next to them, and freezes them all.
+    quantized = {a.path.rpartition(".")[0] for a in model.arrays
+                 if a.path.endswith(".weight") and not _floating(a.dtype)}
+    trainable, total = [], 0
+    for a in model.arrays:
+        floating = _floating(a.dtype) and a.path.rpartition(".")[0] not in quantized
+        dt = getattr(mx, dtype if (dtype and floating) else a.dtype)
+        size = 1
+        for d in a.shape:
+            size *= d
+        total += size * dt.size
+        if floating:
+            trainable.append((a.path, mx.zeros(a.shape, dt)))
+    if not trainable:
+        raise ValueError(
+            f"{model.name} has no floating-point arrays, so nothing is trained; "
+            "pass a model with float32, bfloat16 or float16 weights."
+        )
+    return trainable, total
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds (see the module docstring for each field)."""
+
+    parameters: int
+    gradients: int
+    accumulation: int
+    optimizer: int
+    masters: int
+    communication: int
+    new_parameters: int
+
+    @property
+    def peak(self) -> int:
+        """Their sum: the predicted peak of one optimizer step."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), peak=self.peak)
+
+
+def ddp_memory(optimizer, flat, param_bytes: int, world_size: int, master_dtype: Optional[mx.Dtype], accumulation: str) -> RankMemory:
+    """Every rank of ``ddp_step``: the plain optimizer on whole arrays."""
+    state = plain_state(optimizer, flat, master_dtype)
+    grads = tree_bytes(dict(flat))
+    return RankMemory(
+        parameters=param_bytes, gradients=grads,
+        accumulation=0 if accumulation == "none" else grads,
+        optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
+        # The averaged gradients: all-reduce outputs, alive until the update
+        # (one lazy graph) has used them. MLX sums each concatenated group in
+        # place, so the group adds nothing (measured).
+        communication=0 if world_size == 1 else grads, new_parameters=grads,
+    )
+
+
+def _fsdp_step_buffers(pieces: int, buckets: List[int], grads: int) -> Tuple[int, int]:
+    """``(communication, new parameters)`` at the fuller of the step's two phases.
+
+    Eagerly, the step evaluates bucket by bucket. While it reduce-scatters,
+    a rank holds its reduced pieces and one bucket's packed input and
+    output (at most twice the packed bucket, whichever reduce-scatter the
+    backend gets); while it all-gathers, its updated pieces and the gathered
+    buckets, which back the new parameters (padding included: the
+    parameters are views of them). The optimizer update in between holds
+    less than the all-gather that follows it.
+    """
+    if not buckets:  # one process: the plain optimizer
+        return 0, grads
+    reduce_phase = pieces + 2 * max(buckets)
+    if reduce_phase > pieces + sum(buckets):
+        return reduce_phase, 0
+    return pieces, sum(buckets)
+
+
+def fsdp_memory(make_optimizer, flat, param_bytes: int, world_size: int, communication_size: int,
+                master_dtype: Optional[mx.Dtype], accumulation: str) -> List[RankMemory]:
+    """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
+    grads = tree_bytes(dict(flat))
+    out = []
+    for rank in range(world_size):
+        state = _fsdp_state(make_optimizer(), flat, world_size, rank, communication_size,
+                            None, master_dtype)
+        pieces = tree_bytes(state["gradient"])
+        buckets = [b.nbytes for b in state["buckets"]]
+        comm, new = _fsdp_step_buffers(pieces, buckets, grads)
+        out.append(RankMemory(
+            parameters=param_bytes, gradients=grads,
+            accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
+            optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
+            communication=comm, new_parameters=new,
+        ))
+    return out
+
+
+def estimate_ranks(
+    model: Model,
+    optimizer: str,
+    mode: str,
+    world_size: int,
+    *,
+    dtype: Optional[str] = None,
+    master_dtype: Optional[str] = None,
+    communication_size: int = 32 * 1024**2,
+    accumulation: str = "none",
+) -> List[RankMemory]:
+    """The bytes every rank holds in one configuration.
+
+    Args:
+        model (shapes.Model): The model (see :mod:`mlx_fsdp.plan_memory.shapes`).
+        optimizer (str): A key of :data:`optimizers.OPTIMIZERS`.
+        mode (str): ``"ddp"`` or ``"fsdp"``.
+        world_size (int): Number of ranks.
+        dtype (str, optional): Train the floating arrays in this dtype.
+            Default: ``None`` (as stored).
+        master_dtype (str, optional): As the wrappers' ``master_dtype``.
+            Default: ``None``.
+        communication_size (int): The bucket byte budget. Default: ``32 MiB``.
+        accumulation (str): ``"none"`` (no gradient accumulation), ``"local"``
+            or ``"sharded"`` (FSDP; DDP accumulates locally). Default: ``"none"``.
+
+    Returns:
+        list[RankMemory]: One per rank (DDP: one, all ranks are alike).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
+    if accumulation not in ACCUMULATION:
+        raise ValueError(
+            f"accumulation={accumulation!r} must be one of {', '.join(ACCUMULATION)}."
+        )
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
+    optimizers.make(optimizer)
+    flat, param_bytes = shape_only(model, dtype)
+    master = None if master_dtype is None else getattr(mx, master_dtype)
+    if mode == "ddp":
+        local = "none" if accumulation == "none" else "local"
+        return [ddp_memory(optimizers.make(optimizer), flat, param_bytes, world_size,
+                           master, local)]
+    return fsdp_memory(lambda: optimizers.make(optimizer), flat, param_bytes, world_size,
+                       communication_size, master, accumulation)

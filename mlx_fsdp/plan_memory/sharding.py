@@ -1,0 +1,87 @@
+"""What one FSDP rank holds: the planner's only link to the sharded step's layout.
+
+Everything the planner says about ``fsdp_step`` that depends on how the step
+cuts arrays (padding, owner ranks, bucket sizes) comes from
+:func:`_fsdp_state`, which asks the step's own plan. When the layout
+changes, this is the one function to follow it.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+
+from .. import layout, master
+from ..fsdp import init_held
+from ..placement import plan_for
+
+
+def plain_state(optimizer, flat_params: Sequence[Tuple[str, mx.array]],
+                master_dtype: Optional[mx.Dtype] = None) -> Dict[str, dict]:
+    """What the plain optimizer keeps (every rank of ``ddp_step``), built lazily.
+
+    Mirrors ``ReplicatedOptimizer.init``: masters of the parameters of another
+    dtype, and the optimizer initialized on the tree (so that a
+    ``MultiOptimizer``'s filters see the real paths).
+
+    Returns:
+        dict: ``"optimizer"``: the state tree; ``"master"``: ``{path: master}``.
+    """
+    masters = {}
+    paths = [p for p, _ in flat_params]
+    steps = master.initial(paths, [a for _, a in flat_params], masters, master_dtype)
+    optimizer.init(tree_unflatten(list(zip(paths, steps))))
+    return {"optimizer": optimizer.state, "master": masters}
+
+
+def _fsdp_state(
+    optimizer,
+    flat_params: Sequence[Tuple[str, mx.array]],
+    world_size: int,
+    rank: int,
+    communication_size: int,
+    placement=None,
+    master_dtype: Optional[mx.Dtype] = None,
+) -> Dict[str, object]:
+    """The arrays rank ``rank`` of ``fsdp_step`` keeps, built lazily.
+
+    The step's own plan and :func:`mlx_fsdp.fsdp.init_held` (what
+    ``ShardedOptimizer.init`` runs): this rank's piece of every flat-placed
+    array and the whole of every array it owns, masters of those, and the
+    real optimizer initialized on them. Built from shape-only (unevaluated)
+    arrays, nothing is allocated: read ``.nbytes``.
+
+    Args:
+        optimizer (mlx.optimizers.Optimizer): A fresh optimizer; its state is
+            initialized here.
+        flat_params (list): ``(path, array)`` of every trainable parameter, in
+            tree order.
+        world_size (int): Ranks in the shard group.
+        rank (int): The rank to describe.
+        communication_size (int): The bucket byte budget.
+        placement (optional): As ``fsdp_step``'s ``placement``. Default: ``None``.
+        master_dtype (Dtype, optional): As ``fsdp_step``'s. Default: ``None``.
+
+    Returns:
+        dict: ``"optimizer"``: the optimizer's state tree (as
+        ``opt.state["optimizer"]`` after a step); ``"master"``: ``{path:
+        master piece}``; ``"gradient"``: ``{path: what this rank holds of the
+        reduced gradient}`` (what sharded accumulation keeps; the updated
+        pieces, in the parameters' dtype, are as large); ``"buckets"``: each
+        bucket's flat vector (``N * cols`` elements), as the reduce-scatter
+        sends it and the all-gather returns it.
+    """
+    if world_size == 1:  # fsdp_step is the plain optimizer then
+        return dict(plain_state(optimizer, flat_params, master_dtype),
+                    gradient=dict(flat_params), buckets=[])
+    masters = {}
+    arrays = [a for _, a in flat_params]
+    plan = plan_for(list(flat_params), arrays, optimizer, world_size, communication_size,
+                    placement)
+    init_held(plan, optimizer, arrays, rank, masters, master_dtype)
+    gradient = {s.path: a for b in plan.buckets for s, a in layout.held_of(b, arrays, rank)}
+    buckets: List[mx.array] = [
+        mx.zeros((world_size * b.cols,), getattr(mx, b.dtype)) for b in plan.buckets
+    ]
+    return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
+            "buckets": buckets}
