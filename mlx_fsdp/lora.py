@@ -2,7 +2,7 @@
 
 Takes every flag of ``mlx_lm.lora`` (and its YAML ``--config``), plus
 ``--fsdp/--no-fsdp``, ``--communication-size``, ``--max-norm``,
-``--master-dtype``, ``--checkpoint-dir`` and ``--resume``; ``--save-every``
+``--master-dtype``, ``--accumulation``, ``--checkpoint-dir`` and ``--resume``; ``--save-every``
 also saves a sharded checkpoint. Under ``mlx.launch -n N`` it trains with
 :func:`mlx_fsdp.fsdp_step`, with no second all-reduce::
 
@@ -26,6 +26,7 @@ FSDP_DEFAULTS = {
     "communication_size": 32 * 1024**2,
     "max_norm": None,
     "master_dtype": None,
+    "accumulation": "local",
     "checkpoint_dir": None,
     "resume": False,
 }
@@ -59,6 +60,11 @@ _FLAGS = (
         choices=["float32", "bfloat16", "float16"],
         help="Step parameters of other dtypes through master copies of this dtype (e.g. "
              "float32 for a bfloat16 model). Default: none.")),
+    ("--accumulation", dict(
+        choices=["local", "sharded"],
+        help="With --grad-accumulation-steps > 1: 'local' is mlx-lm's accumulation (full "
+             "gradients, reduced once per step); 'sharded' reduces every micro-batch and "
+             "keeps 1/N of the sum per rank (fsdp_step's). Default: local.")),
     ("--checkpoint-dir", dict(
         type=str, help="Where to save sharded checkpoints. Default: ADAPTER_PATH/checkpoints.")),
     ("--resume", dict(
@@ -138,6 +144,7 @@ def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
     train(
         model, optimizer, train_dataset, val_dataset, args,
         training_callback=training_callback, fsdp=options.fsdp,
+        accumulation=options.accumulation,
         checkpoint_dir=options.checkpoint_dir or os.path.join(adapter_path, "checkpoints"),
         resume=bool(options.resume), log_file=os.path.join(adapter_path, "losses.jsonl"),
         communication_size=options.communication_size, max_norm=options.max_norm,

@@ -1,7 +1,7 @@
 """Training checkpoints of an mlx-lm run: ``DIR/step-0000100``, one per save.
 
 Each is an :func:`mlx_fsdp.save_checkpoint` directory (loads at any world
-size) whose manifest also holds, under ``"user"``, the iteration, mlx-lm's
+size) with the trainable parameters only, whose manifest also holds, under ``"user"``, the iteration, mlx-lm's
 data position (see :mod:`mlx_fsdp.lm.position`), MLX's random key and the
 settings that fix the batch order.
 """
@@ -55,9 +55,9 @@ def save(directory: str, model, optimizer, position: dict, settings: dict) -> st
     key = mx.random.state[0].tolist()
     metadata = {"iteration": position["iteration"], "data": position, "random_key": key,
                 "mlx_lm": mlx_lm_version(), **{k: settings[k] for k in ORDER_SETTINGS}}
-    # The whole model, frozen base included; switch to weights="trainable" once
-    # save_checkpoint offers it, so LoRA checkpoints hold only the adapters.
-    save_checkpoint(path, model, optimizer, metadata=metadata)
+    # Only what trains (LoRA: the adapters): the rest is the base model, which
+    # a resumed run loads from --model before the checkpoint.
+    save_checkpoint(path, model, optimizer, metadata=metadata, weights="trainable")
     return path
 
 

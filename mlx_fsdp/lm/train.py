@@ -136,8 +136,8 @@ def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
 
 def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=None,
           iterate_batches=None, training_callback=None, *, fsdp: bool = True,
-          checkpoint_dir: Optional[str] = None, resume: bool = False,
-          log_file: Optional[str] = None, **options):
+          accumulation: str = "local", checkpoint_dir: Optional[str] = None,
+          resume: bool = False, log_file: Optional[str] = None, **options):
     """``mlx_lm.tuner.trainer.train`` with a sharded optimizer, checkpoints and resume.
 
     Takes ``train``'s arguments and calls it inside :func:`sharded_training`,
@@ -162,6 +162,12 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             ``mlx.optimizers`` optimizer, or a wrapper.
         fsdp (bool): Shard the optimizer (``fsdp_step``); ``False`` replicates
             it (``ddp_step``). Default: ``True``.
+        accumulation (str): With ``args.grad_accumulation_steps > 1``:
+            ``"local"`` lets mlx-lm's trainer sum full gradients and hand the
+            optimizer their mean every k-th micro-batch; ``"sharded"`` hands
+            every micro-batch to ``fsdp_step(grad_accumulation_steps=k,
+            accumulation="sharded")``, which keeps 1/N of the sum per rank
+            (k reductions per step instead of one). Default: ``"local"``.
         checkpoint_dir (str, optional): Where to save checkpoints. Default:
             ``None`` (none saved).
         resume (bool): Continue from the latest checkpoint in
@@ -191,6 +197,12 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         )
     if resume and not checkpoint_dir:
         raise ValueError("resume=True needs checkpoint_dir, the directory to resume from.")
+    k = args.grad_accumulation_steps
+    if accumulation not in ("local", "sharded"):
+        raise ValueError(f"accumulation={accumulation!r} must be 'local' or 'sharded'.")
+    sharded_accumulation = accumulation == "sharded" and k > 1
+    if sharded_accumulation:
+        options = dict(options, grad_accumulation_steps=k, accumulation="sharded")
     wrapped = _wrap(optimizer, fsdp, options)
     rank = mx.distributed.init().rank()
 
@@ -229,8 +241,11 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         iters=args.iters, start=start, position=position, on_step=after_step,
     )
     left = args.iters - start
-    # Saving is done here (run-wide numbering, checkpoints), never by the trainer.
-    run_args = dataclasses.replace(args, iters=left, steps_per_save=left + 1)
+    # Saving is done here (run-wide numbering, checkpoints), never by the trainer;
+    # sharded accumulation by the optimizer, never by the trainer.
+    run_args = dataclasses.replace(
+        args, iters=left, steps_per_save=left + 1,
+        grad_accumulation_steps=1 if sharded_accumulation else k)
     with sharded_training(wrapped):
         trainer.train(
             model=model, optimizer=wrapped, train_dataset=train_dataset,
@@ -239,5 +254,5 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             training_callback=_Reports(training_callback, start, log_file, rank),
         )
     end = args.iters
-    if end > start and (end % every == 0 or end % args.grad_accumulation_steps == 0):
+    if end > start and (end % every == 0 or end % k == 0):
         save(end)
