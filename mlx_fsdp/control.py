@@ -163,7 +163,7 @@ def agree(
         raise RankMismatch(
             f"In {operation}, {_ranks(strangers)} sent data that is not an mlx_fsdp control "
             "message: those ranks are running another collective (for example the step of an "
-            "update, or a save, that the other ranks did not call). Every rank must call "
+            "update, or a save, that the other ranks did not call), or exited. Every rank must call "
             "update, save_checkpoint and load_checkpoint the same number of times, in the same order."
         )
     ops = [row[1] for row in rows]

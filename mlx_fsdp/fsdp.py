@@ -101,7 +101,11 @@ class ShardedOptimizer(DistributedOptimizer):
                                    self.options.master_dtype)
             self.optimizer.init(tree_unflatten(list(zip(tree, steps))))
             return
-        plan = plan_for(floating, [a for _, a in floating], self.optimizer,
+        # The plan from the gradients the step will see: in reduce_dtype, if set
+        # (astype of unevaluated arrays: a dtype, no memory).
+        dt = self.options.reduce_dtype
+        grads = [(p, a.astype(dt) if dt is not None else a) for p, a in floating]
+        plan = plan_for(grads, [a for _, a in floating], self.optimizer,
                         self.options.group.size(), self.options.communication_size,
                         self.options.placement)
         control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
