@@ -34,6 +34,10 @@ class ShardedOptimizer(DistributedOptimizer):
     def __init__(self, optimizer, options):
         super().__init__(optimizer, options)
         self._plan: Optional[Plan] = None
+        # Whether the state is the fresh one of a construction or init, which
+        # the first step may rebuild for its own tree (init may have seen
+        # frozen arrays); a state that has stepped or was loaded may not.
+        self._fresh = True
 
     @property
     def plan(self) -> Plan:
@@ -48,14 +52,15 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def _on_state_set(self):
         self._plan = None
+        self._fresh = False
 
     def _step(self, gradients, parameters):
         if self.options.world_size == 1:
             return replicated_step(self.options, self.optimizer, self._state, gradients,
                                    parameters, dog=self._dog)
         new, norm, plan = sharded_step(self.options, self.optimizer, self._state, gradients,
-                                       parameters, dog=self._dog)
-        self._adopt(plan)
+                                       parameters, dog=self._dog, adopt=self._adopt)
+        self._fresh = False
         return new, norm
 
     def _adopt(self, plan: Plan):
@@ -63,15 +68,15 @@ class ShardedOptimizer(DistributedOptimizer):
         if plan is self._plan:
             return
         if self._plan is not None and plan != self._plan:
-            if int(self.step.item()) > 0:
+            if not self._fresh:
                 raise ValueError(
                     "The gradient tree changed since the optimizer state was built: it was "
                     f"for {self._plan.num_arrays} arrays ({self._plan.num_elements} elements), "
                     f"now there are {plan.num_arrays} ({plan.num_elements}). The sharded state "
                     "cannot follow; create a new fsdp_step for the new tree."
                 )
-            # No step yet: the state from init (e.g. of model.parameters(), frozen
-            # arrays included) was never used; the step builds it for its own tree.
+            # The state from init (e.g. of model.parameters(), frozen arrays
+            # included) was never used; the step builds it for its own tree.
             for sub in sub_optimizers(self.optimizer):
                 for key in [k for k, v in sub.state.items() if isinstance(v, dict)]:
                     del sub.state[key]
@@ -79,6 +84,23 @@ class ShardedOptimizer(DistributedOptimizer):
             self._state["master"].clear()
         check_state(plan, self.optimizer, self.options.group.rank())
         self._plan = plan
+
+    def plan_of(self, parameters) -> Plan:
+        """The plan a step on gradients of ``parameters`` builds, without stepping.
+
+        Its floating-point arrays, with gradients in ``reduce_dtype`` if set
+        (``astype`` of unevaluated arrays: a dtype, no memory).
+
+        Args:
+            parameters (dict): The trainable parameters, e.g.
+                ``model.trainable_parameters()``.
+        """
+        floating = _floating(parameters)
+        dt = self.options.reduce_dtype
+        grads = [(p, a.astype(dt) if dt is not None else a) for p, a in floating]
+        return plan_for(grads, [a for _, a in floating], self.optimizer,
+                        self.options.group.size(), self.options.communication_size,
+                        self.options.placement)
 
     def init(self, parameters):
         """Initialize this rank's shard of the optimizer state.
@@ -93,21 +115,15 @@ class ShardedOptimizer(DistributedOptimizer):
             parameters (dict): The parameters, e.g. ``model.trainable_parameters()``
                 or ``model.parameters()``.
         """
-        flat, params = match(parameters, parameters)
-        floating = [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
+        floating = _floating(parameters)
+        self._fresh = True
         if self.options.world_size == 1:
             tree = {p: a for p, a in floating}
             steps = master.initial(list(tree), list(tree.values()), self._state["master"],
                                    self.options.master_dtype)
             self.optimizer.init(tree_unflatten(list(zip(tree, steps))))
             return
-        # The plan from the gradients the step will see: in reduce_dtype, if set
-        # (astype of unevaluated arrays: a dtype, no memory).
-        dt = self.options.reduce_dtype
-        grads = [(p, a.astype(dt) if dt is not None else a) for p, a in floating]
-        plan = plan_for(grads, [a for _, a in floating], self.optimizer,
-                        self.options.group.size(), self.options.communication_size,
-                        self.options.placement)
+        plan = self.plan_of(parameters)
         control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
                       stream=self.options.communication_stream,
                       hint="Call init with the same parameters on every rank.")
@@ -115,6 +131,12 @@ class ShardedOptimizer(DistributedOptimizer):
                   self._state["master"], self.options.master_dtype)
         self._plan = None
         self._adopt(plan)
+
+
+def _floating(parameters) -> list:
+    """``(path, array)`` of the floating-point arrays of a tree (the trainable kinds)."""
+    flat, params = match(parameters, parameters)
+    return [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
 
 
 def init_held(plan: Plan, optimizer, values, rank: int, masters: dict, master_dtype=None):

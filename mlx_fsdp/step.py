@@ -25,7 +25,7 @@ from .plain import apply_optimizer
 from .plan import Plan
 
 
-def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None):
+def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, adopt=None):
     """One sharded optimizer step on trees.
 
     Args:
@@ -36,6 +36,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None):
         gradients (dict): This rank's local gradients.
         parameters (dict): The parameters, a superset of the gradients' paths.
         dog (Watchdog, optional): Watches the cross-rank check. Default: ``None``.
+        adopt (callable, optional): Called with the plan before anything uses
+            the optimizer state (the wrapper checks that the state fits it).
+            Default: ``None``.
 
     Returns:
         tuple: The updated parameters shaped like ``gradients`` (``None`` on a
@@ -54,6 +57,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None):
     summary = consistency.describe_tree(plan.num_arrays, plan.num_elements, plan.fingerprint,
                                         f", {len(plan.buckets)} buckets")
     consistency.check_step(opts, optimizer, summary, state, tracing=traced, dog=dog)
+    if adopt is not None:
+        adopt(plan)
     finish = True
     if k > 1 and opts.accumulation == "local" and not traced:
         grads, finish = accumulate.add(state, [(p, g) for (p, _), g in zip(flat_grads, grads)],

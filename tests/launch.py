@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -101,7 +102,19 @@ def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, e
             f"a collective is probably waiting on a rank that never joined.\n"
             f"command: {' '.join(cmd)}\n--- output ---\n{out[-4000:]}"
         )
-    return proc.returncode, out, cmd
+    return _rank_failure(proc.returncode, out), out, cmd
+
+
+# mlx.launch exits with 0 even when a rank fails; it says so in a warning line.
+_RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+
+
+def _rank_failure(code: int, out: str) -> int:
+    """The launcher's exit code, or a rank's non-zero one that the launcher did not pass on."""
+    if code == 0:
+        codes = [int(c) for _, c in _RANK_EXIT.findall(out) if int(c) != 0]
+        return codes[0] if codes else 0
+    return code
 
 
 def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: float = 240,

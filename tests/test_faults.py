@@ -34,10 +34,10 @@ def test_ranks_that_disagree_get_the_same_error_and_keep_their_state(case, n, ba
     code, out = run_ranks(n, "faults.py", [case], backend=backend, timeout=120, expect_failure=True)
     assert "NO ERROR" not in out, out  # (mlx.launch exits 0 even when a rank fails)
     for rank in range(n):
-        line = next((l for l in out.splitlines() if l.startswith(f"rank {rank}: RankMismatch")), None)
-        assert line is not None, f"rank {rank} did not raise RankMismatch:\n{out}"
-        assert "The ranks disagree in update" in line and re.search(DISAGREEMENTS[case], line), line
+        # Searched in the whole output: under mpirun, ranks' lines may interleave.
+        assert f"rank {rank}: RankMismatch: The ranks disagree in update" in out, out
         assert f"rank {rank}: unchanged=True" in out, out
+    assert len(re.findall(DISAGREEMENTS[case], out)) >= n, out
 
 
 @pytest.mark.parametrize("n, backend", BACKENDS)

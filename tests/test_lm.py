@@ -227,10 +227,6 @@ def test_compiled_trainer_step_with_sharded_accumulation(files):
     assert result["max_param_diff"] <= TOL
 
 
-@pytest.mark.xfail(reason="needs core: init() of the full tree with frozen and quantized "
-                          "arrays, then a compiled update of the trainable ones (issue 13 "
-                          "item 4; now: '[eval] Attempting to eval an array during function "
-                          "transformations' inside mlx-lm's compiled step)", strict=False)
 def test_init_with_all_parameters_then_train(files):
     """opt.init(model.parameters()) on a LoRA and a QLoRA model, as plain optimizers allow, then
     mlx-lm's trainer: the same losses and adapters as a plain AdamW under mlx-lm's DDP."""

@@ -19,9 +19,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import control, watchdog
-from .._trees import match
 from ..options import group_or_global
-from ..placement import plan_for, sub_optimizers
+from ..placement import sub_optimizers
 from ..plan import dtype_name
 from . import atomic, staging
 from .layout import arrays_to_save, describe_state, is_sharded, one_shard_plan, split_optimizer
@@ -59,23 +58,10 @@ def _save_layout(wrapper, model, optimizer, rank: int):
 
 
 def _load_target(wrapper, model):
-    """``(plan, shard rank)`` of the state a sharded wrapper steps with, or ``(None, 0)``.
-
-    The plan its next step builds, computed from the model without touching
-    the wrapper: the trainable floating-point arrays, with gradients in the
-    reduce dtype.
-    """
+    """``(plan, shard rank)`` of the state a sharded wrapper steps with, or ``(None, 0)``."""
     if not is_sharded(wrapper):
         return None, 0
-    opts = wrapper.options
-    trainable = model.trainable_parameters()
-    flat, params = match(trainable, trainable)
-    held = [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
-    grads = [(p, a.astype(opts.reduce_dtype) if opts.reduce_dtype is not None else a)
-             for p, a in held]
-    plan = plan_for(grads, [a for _, a in held], wrapper.optimizer, opts.group.size(),
-                    opts.communication_size, opts.placement)
-    return plan, opts.group.rank()
+    return wrapper.plan_of(model.trainable_parameters()), wrapper.options.group.rank()
 
 
 def _reset_wrapper(wrapper, master: Optional[dict], plan):
