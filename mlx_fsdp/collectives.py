@@ -167,16 +167,24 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder"
     """
     n, rank = group.size(), group.rank()
     dtype = getattr(mx, bucket.dtype)
+    # Empty slices of every gradient of the bucket, last array first: the
+    # input then waits for all of them, computed in the same order on every
+    # rank (the backward pass's own order). Without them each rank computes
+    # the part it sends first, and a rank that sends the first layers' half
+    # runs nearly the whole backward pass while its peer waits, then waits in
+    # turn: the one-graph step ran 1.24x DDP's time on a 12.9M GPT on the CPU.
+    ready = [grads[s.index].reshape(-1)[:0] for s in reversed(bucket.slots)] \
+        if len(bucket.slots) > 1 else []
     if method == "exchange" and n == 2:
         # Send only the half the peer keeps; add what comes back to this rank's
         # own pieces one by one, so that neither the whole bucket nor this
         # rank's half is ever copied into a vector of its own.
-        sent = order.join(layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
+        sent = order.join(ready + layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
         got = order.ran(exchange(sent, group, stream=stream))
         held = [(s, own + theirs) for (s, own), (_, theirs) in
                 zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
     else:
-        vector = order.join(layout.pack_parts(bucket, grads, n), dtype)
+        vector = order.join(ready + layout.pack_parts(bucket, grads, n), dtype)
         shard = order.ran(reduce_scatter(vector, group, method=method, stream=stream))
         held = layout.held(bucket, shard, rank)
     if dp_group is None:

@@ -7,6 +7,7 @@ from mlx.utils import tree_unflatten
 
 from . import control, layout, master
 from ._trees import match
+from .fused import FusedUpdates, use_fused_updates
 from .options import make_options
 from .placement import plan_for, sub_optimizers
 from .plain import replicated_step
@@ -38,6 +39,7 @@ class ShardedOptimizer(DistributedOptimizer):
         # the first step may rebuild for its own tree (init may have seen
         # frozen arrays); a state that has stepped or was loaded may not.
         self._fresh = True
+        self._fused = FusedUpdates() if use_fused_updates() else None
 
     @property
     def plan(self) -> Plan:
@@ -59,7 +61,8 @@ class ShardedOptimizer(DistributedOptimizer):
             return replicated_step(self.options, self.optimizer, self._state, gradients,
                                    parameters, dog=self._dog)
         new, norm, plan = sharded_step(self.options, self.optimizer, self._state, gradients,
-                                       parameters, dog=self._dog, adopt=self._adopt)
+                                       parameters, dog=self._dog, adopt=self._adopt,
+                                       fused=self._fused)
         self._fresh = False
         return new, norm
 
@@ -117,6 +120,7 @@ class ShardedOptimizer(DistributedOptimizer):
         """
         floating = _floating(parameters)
         self._fresh = True
+        self._fused = FusedUpdates() if use_fused_updates() else None
         if self.options.world_size == 1:
             tree = {p: a for p, a in floating}
             steps = master.initial(list(tree), list(tree.values()), self._state["master"],

@@ -18,7 +18,7 @@ from .placement import signature_of
 
 
 def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
-                    master_dtype: Optional[mx.Dtype], finish=True) -> Any:
+                    master_dtype: Optional[mx.Dtype], finish=True, fused=None) -> Any:
     """``optimizer.apply_gradients``, through master copies, kept only if ``finish``.
 
     Args:
@@ -32,6 +32,8 @@ def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
         finish (bool or array): ``True`` to step; a traced boolean (see
             :mod:`mlx_fsdp.accumulate`) keeps the old optimizer state and
             masters where it is false. Default: ``True``.
+        fused (FusedUpdates, optional): Run the update compiled (see
+            :mod:`mlx_fsdp.fused`). Default: ``None`` (eagerly, as plain MLX).
 
     Returns:
         The new parameters, shaped like ``gradients``, in their own dtypes.
@@ -42,7 +44,9 @@ def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
     if finish is not True:
         optimizer.init(like(gradients, grads))
         old_state, old_masters = accumulate.snapshot(optimizer.state), dict(zip(keys, steps))
-    new = optimizer.apply_gradients(like(gradients, grads), like(gradients, steps))
+    apply = optimizer.apply_gradients if fused is None else (
+        lambda g, p: fused.apply(optimizer, g, p))
+    new = apply(like(gradients, grads), like(gradients, steps))
     # By path: a MultiOptimizer returns its parts' results merged in its own order.
     by_path = dict(tree_flatten(new))
     new = master.lower(keys, [by_path[k] for k in keys], [p.dtype for p in flat_params],

@@ -25,7 +25,8 @@ from .plain import apply_optimizer
 from .plan import Plan
 
 
-def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, adopt=None):
+def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, adopt=None,
+                 fused=None):
     """One sharded optimizer step on trees.
 
     Args:
@@ -39,6 +40,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         adopt (callable, optional): Called with the plan before anything uses
             the optimizer state (the wrapper checks that the state fits it).
             Default: ``None``.
+        fused (FusedUpdates, optional): Runs the optimizer compiled (see
+            :mod:`mlx_fsdp.fused`). Default: ``None`` (eagerly).
 
     Returns:
         tuple: The updated parameters shaped like ``gradients`` (``None`` on a
@@ -93,7 +96,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         state["grad_norm"] = accumulate.select(finish, norm, state["grad_norm"])
 
     # -- update: each sub-optimizer on what this rank holds of its arrays
-    new = _update(plan, held, params, optimizer, state, opts.master_dtype, rank, finish)
+    new = _update(plan, held, params, optimizer, state, opts.master_dtype, rank, finish, fused)
     del held
 
     # -- all-gather each bucket, the first one first (the next forward pass
@@ -110,7 +113,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
 
 
 def _update(plan: Plan, held: dict, params, optimizer, state, master_dtype, rank: int,
-            finish) -> dict:
+            finish, fused) -> dict:
     """Run each sub-optimizer on what this rank holds; return it, updated, by path.
 
     A sub-optimizer sees ``{path: array}`` with what this rank holds of each
@@ -128,5 +131,5 @@ def _update(plan: Plan, held: dict, params, optimizer, state, master_dtype, rank
             values[b.optimizer][slot.path] = p
     new = {}
     for sub, g, v in zip(subs, grads, values):
-        new.update(apply_optimizer(sub, g, v, state["master"], master_dtype, finish))
+        new.update(apply_optimizer(sub, g, v, state["master"], master_dtype, finish, fused))
     return new

@@ -69,6 +69,12 @@ def test_native_sum_scatter_path_through_an_emulated_sum_scatter(n):
     _check(results)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_parity_with_the_compiled_update(n):
+    # The optimizer update compiled, as fsdp_step does where arrays live on a GPU.
+    _check(run_ranks(n, "parity.py", [3, *_configs(0)], env={"MLX_FSDP_FUSED_UPDATE": "1"}))
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_parity_mpi_bf16_part_against_ddp(n):
     # The reference sums bfloat16 gradients in another order than MPI's
