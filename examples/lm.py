@@ -254,8 +254,9 @@ def add_training_args(p: argparse.ArgumentParser):
                    help="where FSDP accumulates gradients (default local)")
     g.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     g = p.add_argument_group("distributed")
-    g.add_argument("--communication-size", type=parse_size, default=32 * 1024**2,
-                   help="bucket size, e.g. 32MiB or 1048576 (default 32MiB)")
+    g.add_argument("--communication-size", type=parse_size, default=None,
+                   help="bucket size, e.g. 32MiB or 1048576 (default: each wrapper's own: "
+                   "fsdp_step 4MiB on the CPU and 32MiB on a GPU, ddp_step 32MiB)")
     g.add_argument("--timeout", type=float, default=300.0,
                    help="a rank that waits this many seconds in a collective prints where and "
                    "exits with code 124, so the launcher stops the job; 0 disables (default 300)")
@@ -384,9 +385,11 @@ def distributed_optimizer(mode: str, args, group):
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
-    kwargs = {"group": group, "communication_size": args.communication_size,
+    kwargs = {"group": group,
               "max_norm": args.max_norm if args.max_norm > 0 else None,
               "timeout": args.timeout if args.timeout > 0 else None}
+    if args.communication_size is not None:
+        kwargs["communication_size"] = args.communication_size
     if args.grad_accumulation_steps > 1:
         kwargs["grad_accumulation_steps"] = args.grad_accumulation_steps
         if mode == "fsdp":

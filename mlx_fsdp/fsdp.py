@@ -203,7 +203,7 @@ def fsdp_step(
     *,
     group: Optional[mx.distributed.Group] = None,
     dp_group: Optional[mx.distributed.Group] = None,
-    communication_size: int = 32 * 1024**2,
+    communication_size: Optional[int] = None,
     max_norm: Optional[float] = None,
     communication_stream: Optional[mx.Stream] = None,
     master_dtype: Optional[mx.Dtype] = None,
@@ -249,8 +249,11 @@ def fsdp_step(
         dp_group (mlx.core.distributed.Group, optional): The replica group for
             hybrid sharding (see :func:`mlx_fsdp.hybrid_groups`); gradients are
             also summed over it. Default: ``None``.
-        communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
-            array in its own bucket. Default: ``32 MiB``.
+        communication_size (int, optional): Byte budget of a bucket; ``<= 0``
+            puts every array in its own bucket. Default: ``None``: 32 MiB where
+            arrays live on a GPU (few collectives, each overlapping the
+            backward pass), 4 MiB on the CPU (a bucket's buffers are the
+            step's transient memory; see :mod:`mlx_fsdp.options`).
         max_norm (float, optional): Clip the averaged gradients to this global
             norm (> 0); the norm before clipping is then in ``opt.grad_norm``.
             Default: ``None``.

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -132,14 +133,17 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
         env: Extra environment variables for every rank.
     """
     backend = backend or ("ring" if n == 2 else "mpi")
-    code, out, cmd = _launch(n, script, args, backend, timeout, WORKERS, env)
-    if expect_failure:
-        return code, out
-    if code != 0:
-        pytest.fail(f"{script} on {n} ranks ({backend}) exited with {code}\n"
-                    f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")
-    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
-               if line.startswith("RESULT ")]
+    with tempfile.TemporaryDirectory() as tmp:
+        results_file = os.path.join(tmp, "results.jsonl")
+        env = {**(env or {}), "MLX_FSDP_TEST_RESULTS": results_file}
+        code, out, cmd = _launch(n, script, args, backend, timeout, WORKERS, env)
+        if expect_failure:
+            return code, out
+        if code != 0:
+            pytest.fail(f"{script} on {n} ranks ({backend}) exited with {code}\n"
+                        f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")
+        lines = open(results_file).read().splitlines() if os.path.exists(results_file) else []
+    results = [json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")]
     assert results, f"{script} printed no RESULT line:\n{out[-4000:]}"
     return results
 

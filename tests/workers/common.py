@@ -113,5 +113,14 @@ def max_diff(a, b, dtype=None):
 
 
 def report(group, **values):
+    """Rank 0's result: a line in the launcher's results file (and on stdout).
+
+    The file, not the output, is what ``run_ranks`` reads: mpirun may
+    interleave the lines of several ranks.
+    """
     if group.rank() == 0:
-        print("RESULT " + json.dumps(values), flush=True)
+        line = "RESULT " + json.dumps(values)
+        print(line, flush=True)
+        if os.environ.get("MLX_FSDP_TEST_RESULTS"):
+            with open(os.environ["MLX_FSDP_TEST_RESULTS"], "a") as f:
+                f.write(line + "\n")
