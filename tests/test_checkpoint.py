@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import mlx_fsdp
 from launch import ROOT, run_ranks
-from mlx_fsdp.checkpoint import api, atomic
+from mlx_fsdp.checkpoint import atomic, save
 from workers.ckpt_common import by_key_diff, make_optimizer, train
 from workers.common import make_model
 
@@ -271,8 +271,8 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path, monkeypatch, where):
         raise OSError("disk full (simulated)")
 
     if where == "writing":
-        real = api._write
-        monkeypatch.setattr(api, "_write", lambda f, a: real(f, a) if "model" in f else fail())
+        real = save._write
+        monkeypatch.setattr(save, "_write", lambda f, a: real(f, a) if "model" in f else fail())
     else:
         monkeypatch.setattr(atomic, "commit", fail)
     with pytest.raises(RuntimeError, match=f"failed while {where} on rank.*previous checkpoint"):
@@ -290,7 +290,7 @@ def test_crash_mid_save_never_looks_complete(tmp_path, monkeypatch):
     def killed(*args):  # not an Exception: nothing cleans up, as after a kill
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "write_json", killed)
+    monkeypatch.setattr(save, "write_json", killed)
     with pytest.raises(KeyboardInterrupt):
         mlx_fsdp.save_checkpoint(path, model, opt)
     partial = tmp_path / ".ck.partial"

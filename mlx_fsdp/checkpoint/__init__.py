@@ -5,8 +5,9 @@ See :func:`save_checkpoint`, :func:`load_checkpoint` and
 :mod:`mlx_fsdp.checkpoint.manifest`.
 """
 
-from .api import load_checkpoint, save_checkpoint
 from .consolidate import consolidate_checkpoint
+from .load import load_checkpoint
 from .manifest import CheckpointError
+from .save import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate_checkpoint", "CheckpointError"]

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 import mlx_fsdp
-from mlx_fsdp.checkpoint import api
+from mlx_fsdp.checkpoint import save
 
 WRAPPERS = {
     "fsdp": lambda o, comm: mlx_fsdp.fsdp_step(o, communication_size=comm),
@@ -120,7 +120,7 @@ def main():
                 with open(file, "wb") as f:
                     f.write(b"half a file")
                 raise OSError("disk full (simulated)")
-            api._write = broken
+            save._write = broken
         try:
             mlx_fsdp.save_checkpoint(path, model, opt)
             print(f"rank {group.rank()}: NO ERROR", flush=True)

@@ -1,29 +1,27 @@
-"""``save_checkpoint`` and ``load_checkpoint``.
+"""``save_checkpoint``: every rank writes what it holds; the whole appears at once.
 
-Both start with one cross-rank agreement (:func:`mlx_fsdp.control.agree`):
-every rank must call them at the same point, with the same path. A rank that
-calls them alone, or with another path, gets an error instead of a hang.
-``load_checkpoint`` is all-or-nothing: every rank checks the checkpoint and
-builds the new weights and optimizer state without touching its model or
-optimizer (:mod:`.staging`), the ranks agree that all of them succeeded, and
-only then does any rank assign.
+It starts with one cross-rank agreement (:func:`.internals.agree`): every rank
+must call it at the same point, with the same path, and a rank that calls it
+alone, or with another path, gets an error instead of a hang. The ranks then
+write into a temporary directory and report their status to each other after
+each stage (:mod:`.atomic`); rank 0 adds the manifest and swaps the directory
+in only once every rank has succeeded.
 """
 
 import json
 import os
 import time
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import control, watchdog
 from ..options import group_or_global
 from ..placement import sub_optimizers
 from ..plan import dtype_name
-from . import atomic, staging
-from .layout import arrays_to_save, describe_state, is_sharded, one_shard_plan, split_optimizer
+from . import atomic
+from .internals import agree, save_layout, watched
+from .layout import arrays_to_save, describe_state, is_sharded, split_optimizer
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -37,56 +35,8 @@ from .manifest import (
     shard_file,
     write_json,
 )
+from .schema import WEIGHTS
 
-#: What ``save_checkpoint(weights=...)`` stores of the model.
-WEIGHTS = ("all", "trainable")
-
-_HINT = ("Call save_checkpoint and load_checkpoint on every rank, at the same point of the "
-         "training loop, with the same path.")
-
-
-# --- the wrapper internals that checkpoints use (one place to re-point) ---
-
-def _save_layout(wrapper, model, optimizer, rank: int):
-    """``(plan, shard index, whether this rank writes its shard)`` of the state to save."""
-    if is_sharded(wrapper):
-        if wrapper.plan is None:
-            wrapper.init(model.trainable_parameters())
-        writer = wrapper.dp_group is None or wrapper.dp_group.rank() == 0
-        return wrapper.plan, wrapper.group.rank(), writer
-    return one_shard_plan(model, optimizer), 0, rank == 0
-
-
-def _load_target(wrapper, model):
-    """``(plan, shard rank)`` of the state a sharded wrapper steps with, or ``(None, 0)``."""
-    if not is_sharded(wrapper):
-        return None, 0
-    return wrapper.plan_of(model.trainable_parameters()), wrapper.options.group.rank()
-
-
-def _reset_wrapper(wrapper, master: Optional[dict], plan):
-    # The setter gives the other entries (micro-batches, norm) their fresh values
-    # and forgets the plan; the loaded state is adopted for the plan it was cut for.
-    state = {k: v for k, v in wrapper.state.items() if k not in ("master", "grad_norm")}
-    state["master"] = master if master is not None else {}
-    wrapper.state = state
-    if plan is not None:
-        wrapper._adopt(plan)
-
-
-def _watched(wrapper, where: str):
-    """The wrapper's collective watchdog around a wait in ``where`` (a no-op without one)."""
-    return watchdog.watch(getattr(wrapper, "_dog", None), where)
-
-
-def _agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = _HINT):
-    # On the wrapper's communication stream, in order with its step's collectives.
-    with _watched(wrapper, f"{operation}({path})"):
-        control.agree(world, operation, fields, hint=hint,
-                      stream=getattr(wrapper, "communication_stream", None))
-
-
-# --- saving ---
 
 def _write(file: str, arrays: dict):
     mx.save_safetensors(file, arrays)
@@ -231,7 +181,7 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     rank = world.rank()
     target = atomic.resolve(path)
     problem = _save_problem(wrapper, metadata, weights, target)
-    _agree(wrapper, world, "save_checkpoint", target, {
+    agree(wrapper, world, "save_checkpoint", target, {
         "path": target,
         "step": _step(optimizer),
         "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
@@ -241,11 +191,11 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
         raise ValueError(problem)
 
     def status(ok, shard=-1, digest=""):
-        with _watched(wrapper, f"save_checkpoint({target})"):
+        with watched(wrapper, f"save_checkpoint({target})"):
             return atomic.gather_status(world, ok, shard, digest)
 
     sharded = is_sharded(wrapper)
-    plan, shard, writer = _save_layout(wrapper, model, optimizer, rank)
+    plan, shard, writer = save_layout(wrapper, model, optimizer, rank)
     arrays = arrays_to_save(plan, optimizer, wrapper, sharded) if writer else {}
     _, tmp, _ = atomic.side_paths(target)
 
@@ -293,94 +243,3 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
         if rank == 0:
             atomic.abandon(target)
     _check_status(status(error is None), error, target, "committing")
-
-
-# --- loading ---
-
-def _status(error: Optional[BaseException]) -> str:
-    return "ok" if error is None else f"{type(error).__name__}: {error}"
-
-
-def load_checkpoint(path: str, model, opt) -> dict:
-    """Load a checkpoint saved by :func:`save_checkpoint`, at any world size.
-
-    All or nothing. Every rank checks the manifest against its schema, every
-    file's place, size and sha256 and its arrays' shapes, the model (paths,
-    shapes, dtypes), the optimizer class, the trained parameters and whether
-    the state can be cut for ``opt``, and builds the new weights and state;
-    then the ranks agree that every one of them can load, and only then is
-    anything replaced. On any failure on any rank, nothing changes on any
-    rank: the rank that failed raises its error, the others a
-    :class:`~mlx_fsdp.control.RankMismatch` that names it.
-
-    The optimizer state of every parameter is rebuilt whole from the shards
-    and cut again for ``opt``: an :func:`~mlx_fsdp.fsdp_step` wrapper at any
-    world size and any ``communication_size``, a :func:`~mlx_fsdp.ddp_step`
-    wrapper, or a plain MLX optimizer (its usual state layout). The step count
-    and the learning rate are part of the state and carry over, so a schedule
-    continues where it was; the other hyper-parameters are those of ``opt``.
-    Every rank must call it, at the same point and with the same ``path``. A
-    checkpoint saved with ``weights="trainable"`` replaces only those
-    parameters; the model's others must exist with the saved shapes and dtypes
-    and keep their values.
-
-    Args:
-        path (str): The checkpoint directory (it may be a symbolic link to one).
-        model (mlx.nn.Module): A model with the same parameter paths, shapes
-            and dtypes; its weights are replaced.
-        opt: The optimizer, of the same class as the saved one; its state is
-            replaced.
-
-    Returns:
-        dict: The manifest (``manifest["user"]`` holds ``metadata`` given to
-        :func:`save_checkpoint`).
-
-    Raises:
-        CheckpointError: naming what is wrong: a malformed manifest field, a
-            missing, truncated or altered file, a different model, a
-            different optimizer class, state that cannot be cut for ``opt``.
-        ValueError: Between micro-batches of gradient accumulation.
-        mlx_fsdp.control.RankMismatch: On the ranks that could load, when
-            another could not, or when the ranks differ in the path or in the
-            layout ``opt`` needs (e.g. ``communication_size``).
-    """
-    optimizer, wrapper = split_optimizer(opt)
-    world = group_or_global(None)
-    path = os.path.abspath(path)
-    _agree(wrapper, world, "load_checkpoint", path, {
-        "path": path,
-        "optimizer": " / ".join(class_names(describe_optimizer(optimizer))),
-    })
-
-    staged, error, layout, plan = None, None, "-", None
-    try:
-        plan, shard = _load_target(wrapper, model)
-        layout = staging.describe_target(plan)
-        staged = staging.stage(path, model, optimizer, wrapper, plan, shard)
-    except Exception as e:  # every rank learns of it below, and nothing changes
-        error = e
-    mismatch = None
-    try:
-        _agree(wrapper, world, "load_checkpoint", path, {"status": _status(error), "layout": layout},
-               hint="The rank(s) that failed raised the full error.")
-    except control.RankMismatch as e:
-        mismatch = e
-    if error is not None:
-        raise error
-    if mismatch is not None:
-        raise control.RankMismatch(f"Nothing was loaded from {path} on any rank. {mismatch}") \
-            from mismatch
-
-    model.load_weights(staged.weights, strict=staged.all_weights)
-    for sub, state in zip(sub_optimizers(optimizer), staged.states):
-        staging.replace_state(sub, state)
-    if wrapper is not None:
-        _reset_wrapper(wrapper, staged.master, plan)
-    if staged.ignored_master:
-        warnings.warn(
-            f"The checkpoint {path} holds fp32 master weights, but this optimizer keeps "
-            "none; they are ignored and training continues from the model weights "
-            "(the masters rounded to the parameters' dtype).",
-            stacklevel=2,
-        )
-    return staged.manifest
