@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from . import schema
+from . import contents, schema
 from .layout import rebuild
 from .manifest import (
     FORMAT,
@@ -142,7 +142,7 @@ def open_checkpoint(path: str) -> Tuple[dict, Dict[str, dict]]:
     verify_files(path, manifest)
     root = os.path.realpath(path)
     files = {name: inside(root, name, f"files[{name!r}]") for name in manifest["files"]}
-    schema.check_contents(manifest, {name: read_header(file) for name, file in files.items()})
+    contents.check_contents(manifest, {name: read_header(file) for name, file in files.items()})
     arrays = {}
     for name, file in files.items():
         try:

@@ -4,105 +4,32 @@ A manifest is plain JSON that anyone can edit, copy half of, or write by
 hand, so nothing in it is trusted: :func:`validate` checks the type, the range
 and the consistency of every field that loading or consolidating reads (the
 plan against the per-optimizer description, the model section against the
-plan, the file list against the number of shards), and
-:func:`check_contents` checks the shard files' headers against the manifest
-before an array is read. Each problem raises a
-:class:`~mlx_fsdp.checkpoint.manifest.CheckpointError` that names the field,
-e.g. ``manifest field files['../x']: ...``, instead of a ``KeyError`` or a
-reshape error deep inside the load.
+plan, the file list against the number of shards), one section at a time.
+Each problem raises a :class:`~mlx_fsdp.checkpoint.manifest.CheckpointError`
+that names the field (:mod:`.fields`), e.g. ``manifest field files['../x']:
+...``, instead of a ``KeyError`` or a reshape error deep inside the load. The
+shard files' headers are checked against the manifest afterwards
+(:mod:`.contents`).
 """
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict
 
-from .manifest import (
-    MODEL_FILE,
-    CheckpointError,
-    master_key,
-    scalar_key,
-    shard_file,
-    state_key,
-)
+from .fields import Fields, show
+from .manifest import MODEL_FILE, shard_file
 
-#: Names of the dtypes a checkpoint may hold.
-DTYPES = frozenset({
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64", "complex64",
-})
 #: "pieces" (format 3): the entry split over the files of the ranks that hold
 #: it; "flat" (formats 1 and 2): split over every rank, zero-padded; "whole".
 KINDS = ("pieces", "flat", "whole")
 ORDERS = ("C", "F")
+#: What ``save_checkpoint(weights=...)`` stores of the model (``model.weights``).
 WEIGHTS = ("all", "trainable")
 LAYOUTS = ("sharded", "plain")
 _SHARD = re.compile(r"optimizer-(\d{5,})-of-(\d{5,})\.safetensors")
 
 
-class _Fields:
-    """Checks values of one manifest, raising errors that name the manifest and the field."""
-
-    def __init__(self, file: str):
-        self.file = file
-
-    def fail(self, where: str, problem: str):
-        raise CheckpointError(
-            f"The checkpoint manifest {self.file} is invalid: manifest field {where} {problem}. "
-            "The manifest was edited or damaged; restore it from the original save."
-        )
-
-    def get(self, obj: dict, key: str, where: str, *, optional: bool = False, default=None):
-        if key not in obj:
-            if optional:
-                return default
-            self.fail(f"{where}.{key}" if where else key, "is missing")
-        return obj[key]
-
-    def dict(self, value, where: str) -> dict:
-        if not isinstance(value, dict):
-            self.fail(where, f"must be a JSON object, not {_show(value)}")
-        return value
-
-    def list(self, value, where: str) -> list:
-        if not isinstance(value, list):
-            self.fail(where, f"must be a JSON list, not {_show(value)}")
-        return value
-
-    def int(self, value, where: str, low: int = 0, high: Optional[int] = None) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.fail(where, f"must be an integer, not {_show(value)}")
-        if value < low or (high is not None and value >= high):
-            bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-            self.fail(where, f"is {value}, which is not {bound}")
-        return value
-
-    def str(self, value, where: str, choices=None) -> str:
-        if not isinstance(value, str) or not value:
-            self.fail(where, f"must be a non-empty string, not {_show(value)}")
-        if choices is not None and value not in choices:
-            self.fail(where, f"is {value!r}, not one of {', '.join(map(repr, choices))}")
-        return value
-
-    def shape(self, value, where: str) -> List[int]:
-        self.list(value, where)
-        for i, d in enumerate(value):
-            self.int(d, f"{where}[{i}]")
-        return value
-
-    def dtype(self, value, where: str) -> str:
-        return self.str(value, where, sorted(DTYPES))
-
-    def equal(self, value, expected, where: str, what: str):
-        if value != expected:
-            self.fail(where, f"is {_show(value)}, but {what} is {_show(expected)}")
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _key(where: str, key) -> str:
-    return f"{where}[{_show(key)}]"
+    return f"{where}[{show(key)}]"
 
 
 def _size(shape) -> int:
@@ -112,7 +39,7 @@ def _size(shape) -> int:
     return size
 
 
-def _optimizer(f: _Fields, desc, where: str) -> int:
+def _optimizer(f: Fields, desc, where: str) -> int:
     """The optimizer description; returns how many state sections it needs."""
     f.dict(desc, where)
     f.str(f.get(desc, "class", where), f"{where}.class")
@@ -134,7 +61,7 @@ def _optimizer(f: _Fields, desc, where: str) -> int:
     return len(subs)
 
 
-def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
+def _plan(f: Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
     """The plan; returns ``{path: (optimizer index, slot, param dtype)}``."""
     f.dict(plan, "plan")
     world = f.int(f.get(plan, "world_size", "plan"), "plan.world_size", 1)
@@ -172,7 +99,7 @@ def _plan(f: _Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
     return slots
 
 
-def _entry(f: _Fields, entry, where: str, param: dict, param_where: str, num_shards: int):
+def _entry(f: Fields, entry, where: str, param: dict, param_where: str, num_shards: int):
     f.dict(entry, where)
     kind = f.str(f.get(entry, "kind", where), f"{where}.kind", KINDS)
     f.dtype(f.get(entry, "dtype", where), f"{where}.dtype")
@@ -191,7 +118,7 @@ def _entry(f: _Fields, entry, where: str, param: dict, param_where: str, num_sha
         for i, r in enumerate(ranks):
             f.int(r, f"{where}.ranks[{i}]", 0, num_shards)
         if not ranks or ranks != sorted(set(ranks)):
-            f.fail(f"{where}.ranks", f"is {_show(ranks)}; it must list the ranks that hold "
+            f.fail(f"{where}.ranks", f"is {show(ranks)}; it must list the ranks that hold "
                    "pieces, each once, in increasing order")
         return
     f.int(f.get(entry, "source", where), f"{where}.source", 0, num_shards)
@@ -201,7 +128,7 @@ def _entry(f: _Fields, entry, where: str, param: dict, param_where: str, num_sha
                f"parameter's {param['size']}")
 
 
-def _parameter(f: _Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
+def _parameter(f: Fields, param, where: str, slot: dict, param_dtype: str, num_shards: int):
     f.dict(param, where)
     f.shape(f.get(param, "shape", where), f"{where}.shape")
     f.int(f.get(param, "size", where), f"{where}.size")
@@ -218,7 +145,7 @@ def _parameter(f: _Fields, param, where: str, slot: dict, param_dtype: str, num_
         _entry(f, entry, _key(f"{where}.entries", name), param, where, num_shards)
 
 
-def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
+def _optimizers(f: Fields, sections, count: int, slots: Dict[str, tuple], num_shards: int):
     f.list(sections, "optimizers")
     if len(sections) != count:
         f.fail("optimizers", f"has {len(sections)} sections, but the optimizer has {count} "
@@ -237,7 +164,7 @@ def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_s
             f.dtype(f.get(info, "dtype", at), f"{at}.dtype")
             value = f.get(info, "value", at, optional=True)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                f.fail(f"{at}.value", f"must be a number, not {_show(value)}")
+                f.fail(f"{at}.value", f"must be a number, not {show(value)}")
         params = f.dict(f.get(section, "parameters", where), f"{where}.parameters")
         expected = {p for p, (o, _, _) in slots.items() if o == k}
         for path in sorted(set(params) - expected):
@@ -250,7 +177,7 @@ def _optimizers(f: _Fields, sections, count: int, slots: Dict[str, tuple], num_s
             _parameter(f, param, _key(f"{where}.parameters", path), slot, dtype, num_shards)
 
 
-def _model(f: _Fields, model, slots: Dict[str, tuple]):
+def _model(f: Fields, model, slots: Dict[str, tuple]):
     f.dict(model, "model")
     f.equal(f.get(model, "file", "model"), MODEL_FILE, "model.file", "the model file's name")
     params = f.dict(f.get(model, "parameters", "model"), "model.parameters")
@@ -276,7 +203,7 @@ def _model(f: _Fields, model, slots: Dict[str, tuple]):
     stored = f.list(f.get(model, "stored", "model"), "model.stored")
     for i, path in enumerate(stored):
         if not isinstance(path, str) or path not in params:
-            f.fail(f"model.stored[{i}]", f"is {_show(path)}, not a path of model.parameters")
+            f.fail(f"model.stored[{i}]", f"is {show(path)}, not a path of model.parameters")
     if len(set(stored)) != len(stored):
         f.fail("model.stored", "lists a parameter twice")
     for path in slots:
@@ -284,7 +211,7 @@ def _model(f: _Fields, model, slots: Dict[str, tuple]):
             f.fail("model.stored", f"lacks {path!r}, which the plan trains")
 
 
-def _files(f: _Fields, files, num_shards: int):
+def _files(f: Fields, files, num_shards: int):
     f.dict(files, "files")
     last = shard_file(num_shards - 1, num_shards)
     for name, info in files.items():
@@ -323,7 +250,7 @@ def validate(manifest: dict, file: str) -> dict:
     Raises:
         CheckpointError: Naming the first bad field.
     """
-    f = _Fields(file)
+    f = Fields(file)
     f.int(f.get(manifest, "step", ""), "step")
     f.int(f.get(manifest, "world_size", ""), "world_size", 1)
     for name in ("mlx_fsdp_version", "mlx_version"):
@@ -353,78 +280,3 @@ def validate(manifest: dict, file: str) -> dict:
     _model(f, f.get(manifest, "model", ""), slots)
     return manifest
 
-
-def stored_weights(manifest: dict) -> List[str]:
-    """The model parameters that the model file holds (all, or the trainable ones)."""
-    model = manifest["model"]
-    if model.get("weights", "all") == "trainable":
-        return list(model["stored"])
-    return list(model["parameters"])
-
-
-def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
-    """Check that every array the manifest lists is in its file, with its shape and dtype.
-
-    Args:
-        manifest (dict): A :func:`validate`-d manifest.
-        headers (dict): ``{file name: {key: {"dtype", "shape"}}}`` of every file.
-
-    Raises:
-        CheckpointError: Naming the file, the key and what differs.
-    """
-    def expect(name: str, key: str, shape, dtype: str):
-        info = headers[name].get(key)
-        if info is None:
-            raise CheckpointError(
-                f"{name} lacks '{key}', which the manifest lists; the checkpoint is inconsistent.")
-        if list(info["shape"]) != list(shape) or info["dtype"] != dtype:
-            raise CheckpointError(
-                f"{name} holds '{key}' as {tuple(info['shape'])} {info['dtype']}, but the "
-                f"manifest says {tuple(shape)} {dtype}; the checkpoint is inconsistent.")
-
-    model = manifest["model"]
-    stored = stored_weights(manifest)
-    extra = sorted(set(headers[model["file"]]) - set(stored))
-    if extra:
-        raise CheckpointError(f"{model['file']} holds '{extra[0]}', which the manifest does not "
-                              "list; the checkpoint is inconsistent.")
-    for path in stored:
-        info = model["parameters"][path]
-        expect(model["file"], path, info["shape"], info["dtype"])
-    num_shards = manifest["plan"]["world_size"]
-    shards = [shard_file(r, num_shards) for r in range(num_shards)]
-
-    def entry(key: str, e: dict, p: dict):
-        if e["kind"] == "whole":
-            expect(shards[e["source"]], key, e["shape"], e["dtype"])
-        elif e["kind"] == "flat":
-            for name in shards:
-                expect(name, key, [p["cols"]], e["dtype"])
-        else:
-            held = 0
-            for r in e["ranks"]:
-                shape = headers[shards[r]].get(key, {}).get("shape", [0])
-                if len(shape) != 1:
-                    raise CheckpointError(
-                        f"{shards[r]} holds '{key}' as {tuple(shape)}, but a piece is 1-D; the "
-                        "checkpoint is inconsistent.")
-                expect(shards[r], key, shape, e["dtype"])
-                held += shape[0]
-            if held != p["size"]:
-                raise CheckpointError(
-                    f"The pieces of '{key}' in {', '.join(shards[r] for r in e['ranks'])} hold "
-                    f"{held} elements, but the manifest says {p['size']}; the checkpoint is "
-                    "inconsistent.")
-
-    params = {}
-    for k, section in enumerate(manifest["optimizers"]):
-        for name, info in section["scalars"].items():
-            key = scalar_key(k, name)
-            shape = headers[shards[0]].get(key, {}).get("shape", [])
-            expect(shards[0], key, shape, info["dtype"])
-        for path, p in section["parameters"].items():
-            params[path] = p
-            for name, e in p["entries"].items():
-                entry(state_key(k, path, name), e, p)
-    for path, e in manifest.get("master", {}).items():
-        entry(master_key(path), e, params[path])

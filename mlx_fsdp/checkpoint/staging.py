@@ -17,7 +17,7 @@ from ..plan import Plan, Slot, dtype_name
 from .layout import shard_state
 from .manifest import CheckpointError, class_names, describe_optimizer
 from .reader import read_checkpoint
-from .schema import stored_weights
+from .contents import stored_weights
 
 
 @dataclass
