@@ -169,14 +169,15 @@ def test_cli_refuses_no_model_or_two(capsys):
 
 # Measured against the real wrappers on real ranks (benchmarks/bench_plan_memory.py).
 
-#: measured / predicted peak (README, "Will it fit?"). The prediction is a
-#: floor: it leaves out the optimizers' temporaries and what MLX evaluates
-#: side by side, which on these small models is most of a step. Measured
-#: here (float32, N=2 and 4, two runs each): FSDP with element-wise
-#: optimizers 1.00-1.42, DDP with them 1.12-1.62, Muon and Adafactor
-#: 1.00-2.33; the ranges leave 5 % below and some room above for a loaded machine.
-PEAK_RANGE = {"fsdp_elementwise": (0.95, 1.6), "ddp_elementwise": (0.95, 1.8),
-              "other": (0.95, 2.6)}
+#: measured / predicted peak (README, "Will it fit?"). The prediction leaves
+#: out the optimizers' temporaries and what MLX evaluates side by side, which
+#: on these small models is most of a step. Measured here (float32, N=2 and
+#: 4, two runs each): FSDP with element-wise optimizers 1.00-1.42, DDP with
+#: them 1.12-1.62, Muon and Adafactor 1.00-2.33. A schedule that frees a
+#: bucket's old parameters before gathering it goes below 1 (0.83 once, for
+#: a step without its gradients' dependency copies), hence 0.8.
+PEAK_RANGE = {"fsdp_elementwise": (0.8, 1.6), "ddp_elementwise": (0.95, 1.8),
+              "other": (0.8, 2.6)}
 
 
 def _bench(n, tmp_path, *args):
