@@ -3,17 +3,17 @@
 For each model, optimizer and mode, in a phase of its own: build the model
 and the real wrapper (``ddp_step`` or ``fsdp_step``), take one step with
 fixed, precomputed gradients (which builds the state and the plan), then
-reset the peak and take a second step with the same gradients: no forward
-or backward pass, so the peak is the optimizer step's own (parameters,
-gradients, state, masters, communication buffers and the update's
-temporaries), which is what ``python -m mlx_fsdp.plan_memory`` predicts,
-less the temporaries. Each rank reports:
+reset the peak and take more steps with the same gradients (``--repeat``;
+the highest peak counts): no forward or backward pass, so the peak is the
+optimizer step's own (parameters, gradients, state, masters, communication
+buffers and the update's temporaries), which is what ``python -m
+mlx_fsdp.plan_memory`` predicts, less the temporaries. Each rank reports:
 
 * **state**: bytes of every array of ``opt.state["optimizer"]`` (scalars
   included) and of ``opt.state["master"]``, against the planner's
   prediction for this rank: they must be equal;
-* **peak**: ``mx.get_peak_memory()`` of the second step, against the
-  predicted peak (max over ranks of both).
+* **peak**: ``mx.get_peak_memory()`` of the fullest measured step, against
+  the predicted peak (max over ranks of both).
 
 Models: the MLP of ``bench_step.py`` and the byte-level GPT of
 ``examples/lm.py``. Rank 0 prints one markdown row per point.
@@ -39,6 +39,8 @@ import mlx.nn as nn  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
+from mlx_fsdp import collectives  # noqa: E402
+from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
 from lm import ByteGPT  # noqa: E402
@@ -80,8 +82,9 @@ def gradients(model, name: str, rank: int):
 
 def wrapper(optimizer: str, mode: str, args, group):
     """The real ``ddp_step`` / ``fsdp_step`` for this point."""
-    kwargs = dict(group=group, communication_size=args.communication_size,
-                  master_dtype=mx.float32 if args.dtype != "float32" else None)
+    kwargs = dict(group=group, master_dtype=mx.float32 if args.dtype != "float32" else None)
+    if args.communication_size is not None:
+        kwargs["communication_size"] = args.communication_size
     if args.accumulation != "none":
         kwargs["grad_accumulation_steps"] = 2
         if mode == "fsdp":
@@ -93,9 +96,12 @@ def wrapper(optimizer: str, mode: str, args, group):
 def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
     """One phase: the real step's bytes and peak, and the planner's prediction.
 
-    With accumulation (two micro-batches per step), the carried sum is
-    measured after the first micro-batch of the second step, and the peak
-    over the step that finishes it.
+    The peak is the highest of ``args.repeat`` steps after the first: on the
+    CPU what overlaps in a step depends on timing (MLX allocates outputs
+    ahead of the kernels it has queued), and a training run's peak is that
+    of its fullest step. With accumulation (two micro-batches per step), the
+    carried sum is measured after the first micro-batch of the last step,
+    and each peak over the call that finishes a step.
     """
     gc.collect()
     mx.clear_cache()
@@ -106,20 +112,26 @@ def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
         shapes.from_tree(model.trainable_parameters(), model_name), optimizer, mode,
         group.size(), master_dtype="float32" if args.dtype != "float32" else None,
         communication_size=args.communication_size, accumulation=args.accumulation,
+        device=default_device(),
+        reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
     )
     mine = predicted[group.rank() if mode == "fsdp" else 0]
-    calls = 2 if args.accumulation == "none" else 4
-    for call in range(calls):
-        if call == calls - 1:
+    per_step = 1 if args.accumulation == "none" else 2
+    peak = 0
+    for call in range(per_step * (1 + args.repeat)):
+        measured = call >= per_step and (call + 1) % per_step == 0
+        if measured:
             accumulated = tree_bytes(opt.state.get("accumulated", {}))
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
+        if measured:
+            peak = max(peak, mx.get_peak_memory())
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
                     tree_bytes(opt.state.get("master", {})), mine.masters,
-                    accumulated, mine.accumulation, mx.get_peak_memory()], mx.int64)
+                    accumulated, mine.accumulation, peak], mx.int64)
     rows = mx.distributed.all_gather(row[None], group=group).tolist()
     del model, opt, grads
     gc.collect()
@@ -146,11 +158,14 @@ def parse_args(argv=None):
     p.add_argument("--gpt-layers", type=int, default=2, help="GPT blocks (default 2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter dtype; bfloat16 gets float32 masters (default float32)")
-    p.add_argument("--communication-size", type=int, default=32 * MiB,
-                   help="bucket budget in bytes (default 32 MiB)")
+    p.add_argument("--communication-size", type=int,
+                   help="bucket budget in bytes (default: each wrapper's own default "
+                   "on this device)")
     p.add_argument("--accumulation", choices=("none", "local", "sharded"), default="none",
                    help="two micro-batches per step, accumulated so (DDP: always "
                    "local; default none)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="steps measured after the first; the peak is the highest (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return p.parse_args(argv)
 
@@ -162,7 +177,9 @@ def main(argv=None):
             for m in args.models for o in args.optimizers for mode in args.modes]
     if group.rank() != 0:
         return
-    print(f"N={group.size()}, {args.dtype}, accumulation {args.accumulation}, MLP "
+    size = args.communication_size
+    buckets = "default buckets" if size is None else f"buckets {size / MiB:g} MiB"
+    print(f"N={group.size()}, {args.dtype}, {buckets}, accumulation {args.accumulation}, MLP "
           f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}; bytes of rank 0, "
           "equal = on every rank; peak: max over ranks")
     print("| model | optimizer | mode | state B | masters B | accumulated B | equal | "

@@ -11,8 +11,12 @@ import re
 import sys
 
 from . import optimizers, shapes
+from .buffers import DEVICES, default_communication_size, default_device
 from .estimate import ACCUMULATION, MODES, estimate_ranks
 from .report import Row, describe, fewest_ranks, gib, table, verdicts
+
+#: Backend -> FSDP's reduce-scatter there (see :mod:`mlx_fsdp.collectives`).
+BACKENDS = {"ring": None, "mpi": None, "nccl": "native", "jaccl": "native"}
 
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b?)", re.IGNORECASE)
 
@@ -60,8 +64,14 @@ def parse_args(argv=None):
                    help="parameter dtype (default: as stored; bfloat16 for a description)")
     g.add_argument("--master-dtype", choices=("float32", "none"), default="float32",
                    help="master copies of parameters of another dtype (default float32)")
-    g.add_argument("--communication-size", type=byte_size, default=32 * 1024**2,
-                   help="bucket budget, e.g. 32MiB (default)")
+    g.add_argument("--communication-size", type=byte_size,
+                   help="bucket budget, e.g. 32MiB (default: each wrapper's own on --device: "
+                   "fsdp_step 4 MiB on the CPU and 32 MiB on a GPU, ddp_step 32 MiB)")
+    g.add_argument("--device", choices=DEVICES, default=default_device(),
+                   help=f"where the ranks train (default: {default_device()}, MLX's default here)")
+    g.add_argument("--backend", choices=tuple(BACKENDS), default="ring",
+                   help="the ranks' mx.distributed backend: nccl and jaccl reduce-scatter "
+                   "natively, ring and mpi by an exchange (N=2) or an all-sum (default ring)")
     g.add_argument("--accumulation", choices=ACCUMULATION, default="none",
                    help="gradient accumulation buffer: none (default), local (a full "
                    "gradient) or sharded (FSDP: this rank's 1/N)")
@@ -100,7 +110,8 @@ def load_model(p, args) -> shapes.Model:
 def plan(model: shapes.Model, args):
     """Every configuration's rows, and the fewest FSDP ranks per optimizer (with ``--memory``)."""
     options = dict(dtype=args.dtype, communication_size=args.communication_size,
-                   accumulation=args.accumulation,
+                   accumulation=args.accumulation, device=args.device,
+                   reduce_scatter=BACKENDS[args.backend],
                    master_dtype=None if args.master_dtype == "none" else args.master_dtype)
     results = {
         name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
@@ -122,8 +133,9 @@ def render(model: shapes.Model, args, results, needed) -> str:
     out = [
         f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
         f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
-        f"masters {args.master_dtype}, buckets {args.communication_size / 1024**2:g} MiB, "
-        f"accumulation {args.accumulation}"
+        f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
+        f"{_buckets(args)}",
+        f"masters {args.master_dtype}, accumulation {args.accumulation}"
         + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
         "GiB per rank (the fullest rank); peak = the sum: one optimizer step, without "
         "activations and the optimizer's arithmetic temporaries",
@@ -160,6 +172,23 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(record, f, indent=1)
     return 0
+
+
+def _reduce_scatter(backend: str) -> str:
+    if BACKENDS[backend] == "native":
+        return "native reduce-scatter"
+    return "reduce-scatter by exchange at N=2, by all-sum above"
+
+
+def _buckets(args) -> str:
+    """The bucket budgets used: the one given, or each wrapper's default on the device."""
+    mib = lambda n: f"{n / 1024**2:g} MiB"  # noqa: E731
+    if args.communication_size is not None:
+        return f"buckets {mib(args.communication_size)}"
+    sizes = {mode: default_communication_size(mode, args.device) for mode in args.mode}
+    where = "the CPU" if args.device == "cpu" else "a GPU"
+    return ("buckets " + ", ".join(f"{mode.upper()} {mib(n)}" for mode, n in sizes.items())
+            + f" (the wrappers' defaults on {where})")
 
 
 def _needed_line(rows, needed: dict, memory: int) -> str:

@@ -17,20 +17,19 @@ What is counted, per rank (all ranks hold the whole model in both modes):
   FSDP only);
 * **optimizer state** and **masters** (``master_dtype`` copies of
   parameters of another dtype);
-* **communication**: DDP, the averaged gradients (the all-reduce's output,
-  alive until the update has used them); FSDP, at the fuller of its two
-  phases, the reduced pieces and the largest packed bucket (twice: sent and
-  summed) while it reduce-scatters, or the updated pieces while it
-  all-gathers;
-* **new parameters**: the step returns a new copy of the parameters, which
-  lives next to the old one until ``model.update`` drops it (FSDP: the
-  gathered buckets, padding included, whose views the parameters are).
+* **communication** and **new parameters**: what the step keeps alive at
+  its fullest phase besides the above (see
+  :mod:`mlx_fsdp.plan_memory.buffers`): FSDP, the output of every bucket's
+  reduce-scatter and one bucket's reduced, updated, packed and gathered
+  pieces (the gathered vector is the new parameters); DDP, the averaged
+  gradients and one group's flattening copies, and one array's new copy.
 
 The **peak** is their sum: the memory of one optimizer step given the
 gradients (the model-state peak; activations are excluded, as they are in
-DeepSpeed's estimator). The optimizer's own arithmetic temporaries are
-excluded too: MLX's scheduler decides how many live at once. The README
-states the margin measured against ``mx.get_peak_memory``.
+DeepSpeed's estimator). It leaves out the optimizer's arithmetic
+temporaries and what MLX's scheduler keeps alive beyond the fullest phase,
+so it is a floor: the README states the margin measured against
+``mx.get_peak_memory``.
 """
 
 from dataclasses import asdict, dataclass, fields
@@ -40,6 +39,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import optimizers
+from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
+                      resolve_reduce_scatter)
 from .shapes import Model
 from .sharding import _fsdp_state, plain_state
 
@@ -111,51 +112,35 @@ class RankMemory:
         return dict(asdict(self), peak=self.peak)
 
 
-def ddp_memory(optimizer, flat, param_bytes: int, world_size: int, master_dtype: Optional[mx.Dtype], accumulation: str) -> RankMemory:
+def ddp_memory(optimizer, flat, param_bytes: int, world_size: int, communication_size: int,
+               master_dtype: Optional[mx.Dtype], accumulation: str) -> RankMemory:
     """Every rank of ``ddp_step``: the plain optimizer on whole arrays."""
     state = plain_state(optimizer, flat, master_dtype)
     grads = tree_bytes(dict(flat))
+    comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
     return RankMemory(
         parameters=param_bytes, gradients=grads,
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
-        # The averaged gradients: all-reduce outputs, alive until the update
-        # (one lazy graph) has used them. MLX sums each concatenated group in
-        # place, so the group adds nothing (measured).
-        communication=0 if world_size == 1 else grads, new_parameters=grads,
+        communication=comm, new_parameters=new,
     )
 
 
-def _fsdp_step_buffers(pieces: int, buckets: List[int], grads: int) -> Tuple[int, int]:
-    """``(communication, new parameters)`` at the fuller of the step's two phases.
-
-    Eagerly, the step evaluates bucket by bucket. While it reduce-scatters,
-    a rank holds its reduced pieces and one bucket's packed input and
-    output (at most twice the packed bucket, whichever reduce-scatter the
-    backend gets); while it all-gathers, its updated pieces and the gathered
-    buckets, which back the new parameters (padding included: the
-    parameters are views of them). The optimizer update in between holds
-    less than the all-gather that follows it.
-    """
-    if not buckets:  # one process: the plain optimizer
-        return 0, grads
-    reduce_phase = pieces + 2 * max(buckets)
-    if reduce_phase > pieces + sum(buckets):
-        return reduce_phase, 0
-    return pieces, sum(buckets)
-
-
 def fsdp_memory(make_optimizer, flat, param_bytes: int, world_size: int, communication_size: int,
-                master_dtype: Optional[mx.Dtype], accumulation: str) -> List[RankMemory]:
+                master_dtype: Optional[mx.Dtype], accumulation: str,
+                reduce_scatter: Optional[str] = None) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
+    if world_size == 1:  # the plain optimizer, as in ddp_step
+        return [ddp_memory(make_optimizer(), flat, param_bytes, 1, communication_size,
+                           master_dtype, accumulation)]
+    method = resolve_reduce_scatter(reduce_scatter, world_size)
     grads = tree_bytes(dict(flat))
     out = []
     for rank in range(world_size):
         state = _fsdp_state(make_optimizer(), flat, world_size, rank, communication_size,
                             None, master_dtype)
         pieces = tree_bytes(state["gradient"])
-        buckets = [b.nbytes for b in state["buckets"]]
-        comm, new = _fsdp_step_buffers(pieces, buckets, grads)
+        comm, new = fsdp_buffers(state["buckets"], method)
         out.append(RankMemory(
             parameters=param_bytes, gradients=grads,
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
@@ -173,8 +158,10 @@ def estimate_ranks(
     *,
     dtype: Optional[str] = None,
     master_dtype: Optional[str] = None,
-    communication_size: int = 32 * 1024**2,
+    communication_size: Optional[int] = None,
     accumulation: str = "none",
+    device: Optional[str] = None,
+    reduce_scatter: Optional[str] = None,
 ) -> List[RankMemory]:
     """The bytes every rank holds in one configuration.
 
@@ -187,9 +174,16 @@ def estimate_ranks(
             Default: ``None`` (as stored).
         master_dtype (str, optional): As the wrappers' ``master_dtype``.
             Default: ``None``.
-        communication_size (int): The bucket byte budget. Default: ``32 MiB``.
+        communication_size (int, optional): The bucket byte budget. Default:
+            ``None``, the wrapper's default on ``device`` (see
+            :func:`~mlx_fsdp.plan_memory.buffers.default_communication_size`).
         accumulation (str): ``"none"`` (no gradient accumulation), ``"local"``
             or ``"sharded"`` (FSDP; DDP accumulates locally). Default: ``"none"``.
+        device (str, optional): ``"cpu"`` or ``"gpu"``, where the ranks
+            train. Default: ``None``, the device MLX defaults to here.
+        reduce_scatter (str, optional): FSDP's reduce-scatter: ``"native"``
+            (NCCL, JACCL), ``"exchange"`` (2 ranks) or ``"all_sum"``.
+            Default: ``None``, what ring and MPI get.
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike).
@@ -203,11 +197,13 @@ def estimate_ranks(
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
     optimizers.make(optimizer)
+    if communication_size is None:
+        communication_size = default_communication_size(mode, device or default_device())
     flat, param_bytes = shape_only(model, dtype)
     master = None if master_dtype is None else getattr(mx, master_dtype)
     if mode == "ddp":
         local = "none" if accumulation == "none" else "local"
         return [ddp_memory(optimizers.make(optimizer), flat, param_bytes, world_size,
-                           master, local)]
+                           communication_size, master, local)]
     return fsdp_memory(lambda: optimizers.make(optimizer), flat, param_bytes, world_size,
-                       communication_size, master, accumulation)
+                       communication_size, master, accumulation, reduce_scatter)

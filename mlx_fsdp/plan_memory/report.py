@@ -49,18 +49,18 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
                  **options) -> Tuple[Optional[int], str]:
     """The smallest world size of 1 and :data:`SEARCH` (up to ``max_ranks``) at which FSDP fits.
 
-    FSDP keeps the whole model, its gradients and the new parameters on
-    every rank, so when those alone exceed ``memory`` no world size is tried.
+    FSDP keeps the whole model and its gradients on every rank, so when
+    those alone exceed ``memory`` no world size is tried.
 
     Returns:
         tuple: The world size (``None`` if none fits) and, if none, why.
     """
     one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
-    floor = one.parameters + one.gradients + one.new_parameters
+    floor = one.parameters + one.gradients
     if options.get("accumulation") == "local":
         floor += one.accumulation
     if floor > memory:
-        return None, (f"parameters, gradients and new parameters alone take {gib(floor)} "
+        return None, (f"parameters and gradients alone take {gib(floor)} "
                       "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:

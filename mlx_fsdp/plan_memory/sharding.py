@@ -6,7 +6,7 @@ cuts arrays (padding, owner ranks, bucket sizes) comes from
 changes, this is the one function to follow it.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -32,6 +32,43 @@ def plain_state(optimizer, flat_params: Sequence[Tuple[str, mx.array]],
     steps = master.initial(paths, [a for _, a in flat_params], masters, master_dtype)
     optimizer.init(tree_unflatten(list(zip(paths, steps))))
     return {"optimizer": optimizer.state, "master": masters}
+
+
+class BucketBytes(NamedTuple):
+    """What one bucket's step moves through one rank, in bytes.
+
+    Attributes:
+        vector (int): The bucket's flat vector in the reduce dtype, padding
+            included: what an all-sum or the two-rank exchange returns.
+        shard (int): This rank's ``1/N`` of it: what a native reduce-scatter
+            returns.
+        held (int): This rank's pieces of the arrays (padding excluded), as
+            the step reduces and updates them.
+        packed (int): The updated pieces concatenated into the shard the
+            all-gather sends; 0 where the shard is one piece, sent as it is.
+        gathered (int): The all-gathered vector in the parameters' dtype,
+            whose views are the bucket's new parameters.
+    """
+
+    vector: int
+    shard: int
+    held: int
+    packed: int
+    gathered: int
+
+
+def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int) -> BucketBytes:
+    """The bytes ``rank`` handles in ``bucket``'s step, from the step's own layout functions."""
+    itemsize = getattr(mx, bucket.dtype).size
+    param_dtype = getattr(mx, bucket.param_dtype)
+    mine = {s.index: a for s, a in layout.held_of(bucket, arrays, rank)}
+    parts = layout.held_parts(bucket, mine, rank)
+    return BucketBytes(
+        vector=bucket.nbytes(world_size), shard=bucket.cols * itemsize,
+        held=sum(a.size for a in mine.values()) * itemsize,
+        packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
+        gathered=world_size * bucket.cols * param_dtype.size,
+    )
 
 
 def _fsdp_state(
@@ -67,9 +104,8 @@ def _fsdp_state(
         ``opt.state["optimizer"]`` after a step); ``"master"``: ``{path:
         master piece}``; ``"gradient"``: ``{path: what this rank holds of the
         reduced gradient}`` (what sharded accumulation keeps; the updated
-        pieces, in the parameters' dtype, are as large); ``"buckets"``: each
-        bucket's flat vector (``N * cols`` elements), as the reduce-scatter
-        sends it and the all-gather returns it.
+        pieces, in the parameters' dtype, are as large); ``"buckets"``: the
+        :class:`BucketBytes` of every bucket, in plan order.
     """
     if world_size == 1:  # fsdp_step is the plain optimizer then
         return dict(plain_state(optimizer, flat_params, master_dtype),
@@ -80,8 +116,6 @@ def _fsdp_state(
                     placement)
     init_held(plan, optimizer, arrays, rank, masters, master_dtype)
     gradient = {s.path: a for b in plan.buckets for s, a in layout.held_of(b, arrays, rank)}
-    buckets: List[mx.array] = [
-        mx.zeros((world_size * b.cols,), getattr(mx, b.dtype)) for b in plan.buckets
-    ]
+    buckets: List[BucketBytes] = [bucket_bytes(b, arrays, world_size, rank) for b in plan.buckets]
     return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
             "buckets": buckets}

@@ -1,0 +1,141 @@
+"""What a step keeps alive besides the model state: its communication and new parameters.
+
+Both wrappers build one lazy graph per step, which the caller evaluates. MLX
+orders a graph breadth-first from its outputs (at most ``MLX_BFS_MAX_WIDTH``,
+20, arrays wide) and runs that order backwards (``eval_impl`` in
+``mlx/transforms.cpp``), so each operation runs as late as its consumers
+allow: one whose only consumer is an update runs just before that update,
+however early its input was computed. That decides what is alive at a
+step's fullest phase:
+
+**FSDP** (``fsdp_step``, :mod:`mlx_fsdp.step`): the reduce-scatters run
+first, one bucket after the other (chained, last bucket first), and the
+updates and all-gathers after them, bucket by bucket. What a rank keeps of a
+bucket's reduce-scatter is cut from the collective's output (and added to
+its own half, and divided by ``N``) only just before that bucket's update,
+so the output of *every* reduce-scatter is alive when the first update
+starts. The fullest phase is then the all-gather of the fullest bucket:
+
+* the **reduce-scatter outputs** of every bucket this rank holds a piece
+  of: the whole vector (the two-rank ``exchange``, an all-gather of the
+  halves, and the ``all_sum`` fallback), or this rank's shard of it (a
+  native ``sum_scatter``). An owner bucket's vector is ``N`` times its
+  longest shard, so one that holds a single array (any array larger than
+  the budget) is ``N`` times that array;
+* the bucket's **updated pieces**, the **shard** they are packed into for
+  the all-gather (none where the shard is one piece) and the **gathered
+  vector**, whose views are the new parameters: the all-gather's input and
+  output, alive together.
+
+The buckets gathered before it replaced their old parameters, which their
+updates released, so the **new parameters** count one bucket's gathered
+vector, not a second copy of the model. The copies the step makes of each
+array's reduced piece (the sum under ``exchange``, the division by ``N``)
+live from just before that array's update to its end, and are left out
+with the optimizer's temporaries.
+
+**DDP** (``ddp_step``: ``mlx.nn.average_gradients`` then the plain
+optimizer): every group of gradients is concatenated, all-summed in place
+and divided in place, and the arrays are views of it until their update, so
+the averaged gradients (as large as the gradients) are alive when the
+updates start. Before, while a group is packed, the copies that flatten its
+transposed gradients (a ``Linear`` weight's gradient is a transposed view)
+are alive too: counted as the largest group. The updates then replace the
+old parameters array by array, so the new parameters count one array. One
+process (``N = 1``) has neither the averaging nor the buckets.
+
+Left out, and measured instead (README, "Will it fit?"): the optimizer's
+arithmetic temporaries, and what MLX keeps alive beyond this because it
+runs up to 20 independent operations side by side and, on the CPU,
+allocates each output when it queues the kernel, ahead of the queued
+kernels that free their inputs. On a model with few arrays that is most of
+the step at once, so the prediction is a floor.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..options import DEFAULT_SIZE_CPU, DEFAULT_SIZE_GPU
+from .sharding import BucketBytes
+
+#: Reduce-scatters (as :func:`mlx_fsdp.collectives.reduce_scatter_method`
+#: names them), and ``None``: what ring and MPI get (``exchange`` at N=2,
+#: ``all_sum`` above).
+REDUCE_SCATTERS = (None, "native", "exchange", "all_sum")
+
+DEVICES = ("cpu", "gpu")
+
+
+def default_device() -> str:
+    """``"gpu"`` or ``"cpu"``: the device MLX defaults to on this machine."""
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def default_communication_size(mode: str, device: str) -> int:
+    """The bucket budget a wrapper uses when ``communication_size`` is left out.
+
+    ``fsdp_step``: :data:`mlx_fsdp.options.DEFAULT_SIZE_GPU` on a GPU,
+    :data:`~mlx_fsdp.options.DEFAULT_SIZE_CPU` on the CPU; ``ddp_step``:
+    MLX's 32 MiB everywhere.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} must be one of {', '.join(DEVICES)}.")
+    return DEFAULT_SIZE_CPU if mode == "fsdp" and device == "cpu" else DEFAULT_SIZE_GPU
+
+
+def resolve_reduce_scatter(method: Optional[str], world_size: int) -> str:
+    """The reduce-scatter ``fsdp_step`` runs at ``world_size`` ranks (:data:`REDUCE_SCATTERS`)."""
+    if method not in REDUCE_SCATTERS:
+        raise ValueError(
+            f"reduce_scatter={method!r} must be one of {', '.join(map(repr, REDUCE_SCATTERS))} "
+            "(None: ring and MPI, exchange at N=2 and all_sum above)."
+        )
+    if method == "exchange" and world_size != 2:
+        raise ValueError(f"reduce_scatter='exchange' needs 2 ranks, not {world_size}; "
+                         "use None or 'all_sum'.")
+    return method or ("exchange" if world_size == 2 else "all_sum")
+
+
+def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]:
+    """``(communication, new parameters)`` of one FSDP rank (see the module docstring).
+
+    Args:
+        buckets (list[BucketBytes]): The rank's bytes of every bucket.
+        method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
+
+    Returns:
+        tuple: Bytes; ``(0, 0)`` without buckets.
+    """
+    if not buckets:
+        return 0, 0
+    # Only what a rank keeps of an output keeps it alive: none of an owner
+    # bucket whose arrays are all another rank's.
+    outputs = sum(b.shard if method == "native" else b.vector for b in buckets if b.held)
+    fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
+    return outputs + fullest.held + fullest.packed, fullest.gathered
+
+
+def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
+                communication_size: int) -> Tuple[int, int]:
+    """``(communication, new parameters)`` of one DDP rank (see the module docstring).
+
+    Args:
+        gradients (list[array]): The gradients, in tree order.
+        world_size (int): Ranks.
+        communication_size (int): ``average_gradients``' group size in bytes.
+
+    Returns:
+        tuple: Bytes.
+    """
+    largest = max(g.nbytes for g in gradients)
+    if world_size == 1:
+        return 0, largest
+    grads = sum(g.nbytes for g in gradients)
+    group, used = 0, 0
+    if communication_size > 0 and len({g.dtype for g in gradients}) == 1:
+        for g in gradients:  # average_gradients closes a group once it reaches the size
+            used += g.nbytes
+            group = max(group, used)
+            used = 0 if used >= communication_size else used
+    return grads + group, largest
