@@ -173,16 +173,21 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder"
     # the part it sends first, and a rank that sends the first layers' half
     # runs nearly the whole backward pass while its peer waits, then waits in
     # turn: the one-graph step ran 1.24x DDP's time on a 12.9M GPT on the CPU.
-    ready = [grads[s.index].reshape(-1)[:0] for s in reversed(bucket.slots)] \
+    ready = [layout.empty_of(grads[s.index]) for s in reversed(bucket.slots)] \
         if len(bucket.slots) > 1 else []
     if method == "exchange" and n == 2:
         # Send only the half the peer keeps; add what comes back to this rank's
         # own pieces one by one, so that neither the whole bucket nor this
         # rank's half is ever copied into a vector of its own.
         sent = order.join(ready + layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
-        got = order.ran(exchange(sent, group, stream=stream))
+        got = exchange(sent, group, stream=stream)
         held = [(s, own + theirs) for (s, own), (_, theirs) in
                 zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
+        # The sums are views' users: until they are computed, this rank's own
+        # pieces keep its whole local gradients alive, and the received half
+        # stays too. Chaining the next collective after the sums computes
+        # them now, so only the reduced half outlives the bucket.
+        order.ran(mx.concatenate([layout.empty_of(got)] + [layout.empty_of(a) for _, a in held]))
     else:
         vector = order.join(ready + layout.pack_parts(bucket, grads, n), dtype)
         shard = order.ran(reduce_scatter(vector, group, method=method, stream=stream))
@@ -266,7 +271,7 @@ class CollectiveOrder:
     def join(self, parts, dtype) -> mx.array:
         """Concatenate ``parts`` into a collective's input, after the last collective."""
         if self._last is not None and len(parts) > 1:
-            parts = [self._last.reshape(-1)[:0]] + list(parts)
+            parts = [layout.empty_of(self._last)] + list(parts)
         return self.chain(join(parts, dtype))
 
     def chain(self, x: mx.array) -> mx.array:
@@ -281,7 +286,7 @@ class CollectiveOrder:
         """Record ``output`` as the last collective's; return it."""
         self._last = output
         if self._key is not None:
-            _last_of_group[self._key] = output.reshape(-1)[:0]
+            _last_of_group[self._key] = layout.empty_of(output)
         return output
 
 

@@ -45,6 +45,15 @@ def unflatten(slot: Slot, flat: mx.array) -> mx.array:
     return flat.reshape(slot.shape)
 
 
+def empty_of(a: mx.array) -> mx.array:
+    """A ``(0,)`` slice of ``a``: a dependency on ``a`` that holds none of its data.
+
+    The slice is taken before the reshape: reshaping a transposed view (as
+    many weight gradients are) first would copy the whole array.
+    """
+    return a[(slice(0, 0),) * a.ndim].reshape(-1) if a.ndim else a.reshape(-1)[:0]
+
+
 def held_range(bucket: Bucket, slot: Slot, rank: int) -> Optional[Tuple[int, int]]:
     """``[begin, end)`` of the slot's own elements in ``rank``'s shard, or ``None``."""
     lo, hi = bucket.shard(rank)

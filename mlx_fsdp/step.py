@@ -79,7 +79,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         # ranks wait for each other mid-pass: the first one waits for every
         # gradient (3.3M GPT, ring N=2, 4 MiB buckets: 0.98-1.01x DDP's step
         # instead of 1.09-1.16x).
-        order.ran(mx.concatenate([g.reshape(-1)[:0] for g in reversed(grads)]))
+        order.ran(mx.concatenate([layout.empty_of(g) for g in reversed(grads)]))
     held = {}  # path -> summed gradient of what this rank holds of it
     for bucket in reversed(plan.buckets):
         for slot, g in collectives.reduce_bucket(bucket, grads, group, method=method, order=order,
