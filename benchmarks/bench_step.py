@@ -150,9 +150,10 @@ def parse_args(argv=None):
                    help="timed steps per mode before the other mode takes its turn (default 5)")
     p.add_argument(
         "--communication-size",
-        type=lm.parse_size,
+        type=_size,
         nargs="+",
-        help="bucket sizes for both modes, e.g. 256KiB 16MiB 32MiB (overrides --sweep)",
+        help="bucket sizes for both modes, e.g. 256KiB 16MiB 32MiB, or 'default' for each "
+        "mode's own default (overrides --sweep)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+",
                    help="parameter dtypes (overrides --sweep)")
@@ -434,7 +435,16 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
 
 
-def _bucket(size: int) -> str:
+def _size(text: str):
+    # None: each wrapper picks its own default (fsdp_step's depends on the device).
+    return None if text == "default" else lm.parse_size(text)
+
+
+def _bucket(size) -> str:
+    if size is None:
+        ddp, fsdp = (wrap(optim.SGD(0.0)).communication_size
+                     for wrap in (mlx_fsdp.ddp_step, mlx_fsdp.fsdp_step))
+        return f"default ({_bucket(ddp)} / {_bucket(fsdp)})"
     return f"{size / MB:g} MiB" if size >= MB else f"{size / 1024:g} KiB"
 
 
