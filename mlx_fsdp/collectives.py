@@ -190,8 +190,13 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder"
         order.ran(mx.concatenate([layout.empty_of(got)] + [layout.empty_of(a) for _, a in held]))
     else:
         vector = order.join(ready + layout.pack_parts(bucket, grads, n), dtype)
-        shard = order.ran(reduce_scatter(vector, group, method=method, stream=stream))
-        held = layout.held(bucket, shard, rank)
+        shard = reduce_scatter(vector, group, method=method, stream=stream)
+        if method == "all_sum" and n > 1:
+            # A slice of the all-sum would keep all N shards of it alive until
+            # the update; a copy of this rank's, made now, frees the rest
+            # (1.1M MLP, MPI N=4: peak 0.74x -> 0.70x DDP's).
+            shard = shard * 1
+        held = layout.held(bucket, order.ran(shard), rank)
     if dp_group is None:
         return held
     values = {s.index: a for s, a in held}
