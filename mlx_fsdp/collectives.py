@@ -287,6 +287,16 @@ class CollectiveOrder:
         """
         return x if self._last is None else mx.depends(x, self._last)
 
+    def settle(self, x: mx.array) -> mx.array:
+        """``x``, made to evaluate the token kept for the group's next step.
+
+        The token is a lazy slice of the step's last collective output; left
+        unevaluated it would keep that whole output (a bucket of parameters)
+        alive after the model is gone. Evaluated with ``x``, it holds nothing.
+        """
+        token = _last_of_group.get(self._key)
+        return x if token is None else mx.depends(x, token)
+
     def ran(self, output: mx.array) -> mx.array:
         """Record ``output`` as the last collective's; return it."""
         self._last = output

@@ -116,6 +116,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
                                                   group, stream=stream))
         for slot, a in zip(bucket.slots, layout.unpack(bucket, vector)):
             out[slot.index] = accumulate.select(finish, a, params[slot.index])
+    if plan.buckets:
+        last = plan.buckets[-1].slots[-1].index
+        out[last] = order.settle(out[last])
     return like(gradients, out), norm, plan
 
 

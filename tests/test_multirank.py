@@ -96,6 +96,14 @@ def test_state_and_peak_memory_below_ddp_at_n2():
     assert r["fsdp_peak"] < r["ddp_peak"], r
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_nothing_outlives_the_model_and_optimizer(n):
+    # The step keeps a token of its last collective for the group's next
+    # step; unevaluated, it held a whole bucket of parameters (1 MiB here).
+    (r,) = run_ranks(n, "memory.py", [512, 2])
+    assert r["ddp_left"] <= 1024 and r["fsdp_left"] <= 1024, r
+
+
 def test_state_bytes_one_quarter_at_n4():
     (r,) = run_ranks(4, "memory.py", [256, 3])
     assert r["fsdp_state"] <= r["ddp_state"] * (1 / 4 + 0.02), r

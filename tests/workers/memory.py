@@ -22,6 +22,8 @@ def state_bytes(state):
 
 
 def phase(make_opt, hidden, layers, group):
+    gc.collect()
+    before = mx.get_active_memory()
     mx.random.seed(0)
     model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
     mx.eval(model.parameters())
@@ -33,20 +35,21 @@ def phase(make_opt, hidden, layers, group):
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
-        _, g = vg(model, x)
+        loss, g = vg(model, x)
         opt.update(model, g)
         mx.eval(model.parameters(), opt.state)
         del g
     result = state_bytes(opt.state), mx.get_peak_memory()
-    del model, opt
+    del model, opt, vg, x, loss
     gc.collect()
     mx.clear_cache()
-    return result
+    # What outlives the model and the optimizer (nothing should).
+    return (*result, mx.get_active_memory() - before)
 
 
 group = mx.distributed.init()
 hidden, layers = int(sys.argv[1]), int(sys.argv[2])
-ddp_state, ddp_peak = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden, layers, group)
-fsdp_state, fsdp_peak = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden, layers, group)
+ddp_state, ddp_peak, ddp_left = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden, layers, group)
+fsdp_state, fsdp_peak, fsdp_left = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden, layers, group)
 report(group, n=group.size(), ddp_state=ddp_state, fsdp_state=fsdp_state,
-       ddp_peak=ddp_peak, fsdp_peak=fsdp_peak)
+       ddp_peak=ddp_peak, fsdp_peak=fsdp_peak, ddp_left=ddp_left, fsdp_left=fsdp_left)
