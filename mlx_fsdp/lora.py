@@ -23,7 +23,7 @@ import mlx.core as mx
 #: Defaults of the flags this command adds to ``mlx_lm.lora``'s.
 FSDP_DEFAULTS = {
     "fsdp": True,
-    "communication_size": 32 * 1024**2,
+    "communication_size": None,
     "max_norm": None,
     "master_dtype": None,
     "accumulation": "local",
@@ -53,7 +53,8 @@ _FLAGS = (
              "it (ddp_step). Default: --fsdp.")),
     ("--communication-size", dict(
         type=parse_size,
-        help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: 32MiB.")),
+        help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: the "
+             "wrapper's (fsdp_step: 4MiB on the CPU, 32MiB on a GPU; ddp_step: 32MiB).")),
     ("--max-norm", dict(
         type=float, help="Clip the gradients to this global norm. Default: no clipping.")),
     ("--master-dtype", dict(
@@ -111,7 +112,8 @@ def parse_args(argv=None) -> types.SimpleNamespace:
         for k, v in defaults.items():
             if args.get(k) is None:
                 args[k] = v
-    args["communication_size"] = parse_size(args["communication_size"])
+    if args["communication_size"] is not None:
+        args["communication_size"] = parse_size(args["communication_size"])
     return types.SimpleNamespace(**args)
 
 

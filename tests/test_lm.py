@@ -407,6 +407,8 @@ def test_cli_flags_and_yaml(tmp_path):
                        "--master-dtype", "float32", "--resume", "--checkpoint-dir", "c"])
     assert (args.fsdp, args.communication_size, args.master_dtype) == (False, 512 * 1024, "float32")
     assert (args.resume, args.checkpoint_dir, args.communication_size) == (True, "c", 524288)
+    # Without the flag the wrapper picks its own default (fsdp_step's depends on the device).
+    assert parse_args(["--model", "m"]).communication_size is None
     assert parse_size("32M") == parse_size("32MiB") == 32 * 1024**2 and parse_size(7) == 7
     with pytest.raises(Exception, match="not a byte count"):
         parse_size("lots")
