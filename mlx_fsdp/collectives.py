@@ -181,7 +181,7 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder"
         # rank's half is ever copied into a vector of its own.
         sent = order.join(ready + layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
         got = exchange(sent, group, stream=stream)
-        held = [(s, own + theirs) for (s, own), (_, theirs) in
+        held = [(s, theirs + own) for (s, own), (_, theirs) in
                 zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
         # The sums are views' users: until they are computed, this rank's own
         # pieces keep its whole local gradients alive, and the received half
