@@ -22,11 +22,8 @@ it took 2.2x the time of all_sum for a 32 MB bucket, and on MPI its sends must
 run on a second stream (a second thread), which Open MPI without
 MPI_THREAD_MULTIPLE answered with a segfault at N=3.
 
-Every rank must run its collectives in the same order, while MLX schedules
-independent parts of a graph as it sees fit, and the graphs of two ranks
-differ where they hold different things (owner buckets, arrays evaluated
-earlier on one rank only). A :class:`CollectiveOrder` therefore chains each
-collective's input after the previous collective's output.
+The order in which a step's collectives run is kept by
+:class:`mlx_fsdp.order.CollectiveOrder`.
 """
 
 import os
@@ -35,7 +32,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import layout
-from .layout import join
+from .order import CollectiveOrder
 
 #: Ways to reduce-scatter, in the order :func:`reduce_scatter_method` prefers.
 METHODS = ("native", "exchange", "all_sum")
@@ -146,7 +143,7 @@ def reduce_scatter(vector: mx.array, group, *, method: str = "native",
     raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}.")
 
 
-def reduce_bucket(bucket, grads, group, *, method: str, order: "CollectiveOrder",
+def reduce_bucket(bucket, grads, group, *, method: str, order: CollectiveOrder,
                   stream: Optional[mx.Stream] = None, dp_group=None) -> list:
     """Reduce-scatter one bucket: the summed gradient of what this rank holds.
 
@@ -245,66 +242,3 @@ def all_gather(shard: mx.array, group, *, stream: Optional[mx.Stream] = None) ->
     if group.size() == 1:
         return shard
     return mx.distributed.all_gather(shard, group=group, stream=stream)
-
-
-class CollectiveOrder:
-    """Keeps a step's collectives in one order on every rank.
-
-    Each collective's input is made to depend on the previous collective's
-    output, so it runs only after it, whatever order MLX would otherwise pick
-    for independent parts of the graph. Without it, two independent
-    all-gathers evaluated in opposite orders on two ranks returned each
-    other's data (seen on ring N=2, eager and compiled).
-
-    The dependency also sets the schedule. MLX evaluates a graph depth first,
-    an array's inputs in order, so a concatenation that builds a collective's
-    input takes the previous output as its *first* part (an empty slice,
-    free): the previous collective then completes before this one's input
-    buffer is even allocated, and one bucket's buffers are freed before the
-    next bucket's exist. An input that is a view (a lone array) costs
-    nothing to compute early and is chained with ``mx.depends``.
-    """
-
-    def __init__(self, group=None, traced: bool = False):
-        # A step starts after the last collective of the group's previous
-        # step, so that two steps built before one evaluation (two models, or
-        # async_eval of one step while the next is built) stay in order too.
-        # Traced values never cross from one trace (or graph) to another.
-        self._key = None if group is None or traced else id(group)
-        self._last: Optional[mx.array] = _last_of_group.get(self._key)
-
-    def join(self, parts, dtype) -> mx.array:
-        """Concatenate ``parts`` into a collective's input, after the last collective."""
-        if self._last is not None and len(parts) > 1:
-            parts = [layout.empty_of(self._last)] + list(parts)
-        return self.chain(join(parts, dtype))
-
-    def chain(self, x: mx.array) -> mx.array:
-        """``x``, to be used only after the last collective (``mx.depends``).
-
-        A concatenation from :meth:`join` already depends on it; this adds
-        the dependency where ``x`` is a view or an optimizer's output.
-        """
-        return x if self._last is None else mx.depends(x, self._last)
-
-    def settle(self, x: mx.array) -> mx.array:
-        """``x``, made to evaluate the token kept for the group's next step.
-
-        The token is a lazy slice of the step's last collective output; left
-        unevaluated it would keep that whole output (a bucket of parameters)
-        alive after the model is gone. Evaluated with ``x``, it holds nothing.
-        """
-        token = _last_of_group.get(self._key)
-        return x if token is None else mx.depends(x, token)
-
-    def ran(self, output: mx.array) -> mx.array:
-        """Record ``output`` as the last collective's; return it."""
-        self._last = output
-        if self._key is not None:
-            _last_of_group[self._key] = layout.empty_of(output)
-        return output
-
-
-# The last collective each group's steps built (an empty slice of it: the
-# dependency, not the data). Keyed by id(group), as _native_cache is.
-_last_of_group: dict = {}

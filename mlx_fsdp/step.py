@@ -22,6 +22,7 @@ from . import accumulate, clip, collectives, consistency, layout
 from ._trees import like, match
 from .placement import plan_for, sub_optimizers
 from .plain import apply_optimizer
+from .order import CollectiveOrder
 from .plan import Plan
 
 
@@ -72,7 +73,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     # -- reduce-scatter each bucket, the last one first: in the backward pass
     #    the last layers' gradients are ready first
     method = collectives.reduce_scatter_method(group)
-    order = collectives.CollectiveOrder(group, traced)
+    order = CollectiveOrder(group, traced)
     if opts.communication_stream is None and mx.default_device() == mx.cpu and len(plan.buckets) > 1:
         # One CPU stream runs compute and collectives in turn, so there a
         # collective inside the backward pass overlaps nothing and makes the
