@@ -36,7 +36,7 @@ def global_norm(arrays: Sequence[mx.array], group=None, *, order=None, stream=No
         group (mlx.core.distributed.Group, optional): The group the elements
             are split over; ``None`` means they are all local. Default: ``None``.
         order (CollectiveOrder, optional): Chains the norm's collective after
-            the step's previous one (see :mod:`mlx_fsdp.collectives`).
+            the step's previous one (see :mod:`mlx_fsdp.order`).
             Default: ``None``.
         stream (mlx.core.Stream, optional): Stream of the collective.
             Default: ``None``.
