@@ -23,13 +23,16 @@ class CollectiveOrder:
     all-gathers evaluated in opposite orders on two ranks returned each
     other's data (seen on ring N=2, eager and compiled).
 
-    The dependency also sets the schedule. MLX evaluates a graph depth first,
-    an array's inputs in order, so a concatenation that builds a collective's
-    input takes the previous output as its *first* part (an empty slice,
-    free): the previous collective then completes before this one's input
-    buffer is even allocated, and one bucket's buffers are freed before the
-    next bucket's exist. An input that is a view (a lone array) costs
-    nothing to compute early and is chained with ``mx.depends``.
+    The dependency also sets the schedule. MLX orders a graph breadth first
+    from its outputs (a bounded width at a time) and runs that order
+    backwards, so an operation runs as late as its consumers allow, and
+    which of two independent inputs is listed first can change which runs
+    first. A concatenation that builds a collective's input therefore takes
+    the previous output as a part (an empty slice, free): the previous
+    collective completes before this one's input buffer is allocated, and
+    one bucket's buffers are freed before the next bucket's exist. An input
+    that is a view (a lone array) costs nothing to compute early and is
+    chained with ``mx.depends``.
     """
 
     def __init__(self, group=None, traced: bool = False):

@@ -10,29 +10,27 @@ step's fullest phase:
 
 **FSDP** (``fsdp_step``, :mod:`mlx_fsdp.step`): the reduce-scatters run
 first, one bucket after the other (chained, last bucket first), and the
-updates and all-gathers after them, bucket by bucket. What a rank keeps of a
-bucket's reduce-scatter is cut from the collective's output (and added to
-its own half, and divided by ``N``) only just before that bucket's update,
-so the output of *every* reduce-scatter is alive when the first update
-starts. The fullest phase is then the all-gather of the fullest bucket:
+updates and all-gathers after them, bucket by bucket. What a rank keeps of
+a bucket's reduce-scatter (the sums of its own and the received half under
+``exchange``, a copy of its shard of an ``all_sum``, the shard a native
+``sum_scatter`` returns) is computed before the next bucket's collective
+starts, which frees the rest, and lives until that bucket's update. Two
+phases can be the fullest:
 
-* the **reduce-scatter outputs** of every bucket this rank holds a piece
-  of: the whole vector (the two-rank ``exchange``, an all-gather of the
-  halves, and the ``all_sum`` fallback), or this rank's shard of it (a
-  native ``sum_scatter``). An owner bucket's vector is ``N`` times its
-  longest shard, so one that holds a single array (any array larger than
-  the budget) is ``N`` times that array;
-* the bucket's **updated pieces**, the **shard** they are packed into for
-  the all-gather (none where the shard is one piece) and the **gathered
-  vector**, whose views are the new parameters: the all-gather's input and
-  output, alive together.
+* **reducing** a bucket: what every other bucket keeps, plus this bucket's
+  input and output (half the vector sent and half received under
+  ``exchange``; the vector and the all-summed vector under ``all_sum``; the
+  vector and the shard with a native reduce-scatter);
+* **gathering** the fullest bucket: what every bucket keeps, plus the
+  bucket's **updated pieces**, the **shard** they are packed into for the
+  all-gather (none where the shard is one piece) and the **gathered
+  vector**, whose views are the new parameters.
 
 The buckets gathered before it replaced their old parameters, which their
 updates released, so the **new parameters** count one bucket's gathered
-vector, not a second copy of the model. The copies the step makes of each
-array's reduced piece (the sum under ``exchange``, the division by ``N``)
-live from just before that array's update to its end, and are left out
-with the optimizer's temporaries.
+vector, not a second copy of the model. The division by ``N`` and the
+optimizer's arithmetic make copies of one array at a time, left out with
+the optimizer's temporaries.
 
 **DDP** (``ddp_step``: ``mlx.nn.average_gradients`` then the plain
 optimizer): every group of gradients is concatenated, all-summed in place
@@ -111,9 +109,19 @@ def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]
         return 0, 0
     # Only what a rank keeps of an output keeps it alive: none of an owner
     # bucket whose arrays are all another rank's.
-    outputs = sum(b.shard if method == "native" else b.vector for b in buckets if b.held)
+    mine = [b for b in buckets if b.held]
+    kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
+    reduced = sum(kept.values())
+    # While one bucket is reduced: its input and output buffers (the exchange
+    # sends and receives half the vector), next to what the others keep.
+    moving = {"native": lambda b: b.vector + b.shard, "exchange": lambda b: b.vector,
+              "all_sum": lambda b: 2 * b.vector}[method]
+    reducing = reduced + max((moving(b) for b in mine), default=0)
     fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
-    return outputs + fullest.held + fullest.packed, fullest.gathered
+    gathering = reduced + fullest.held + fullest.packed
+    if reducing > gathering + fullest.gathered:
+        return reducing, 0
+    return gathering, fullest.gathered
 
 
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
