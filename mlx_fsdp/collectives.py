@@ -184,9 +184,8 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: CollectiveOrder,
         # higher on the main job's GPT (0.13M parameters).
         held = [(s, theirs + own) for (s, own), (_, theirs) in
                 zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
-        # The sums are views' users: until they are computed, this rank's own
-        # pieces keep its whole local gradients alive, and the received half
-        # stays too. Chaining the next collective after the sums computes
+        # Until the sums are computed, this rank's own pieces (views) keep its
+        # whole local gradients alive, and the received half stays too. Chaining the next collective after the sums computes
         # them now, so only the reduced half outlives the bucket.
         order.ran(mx.concatenate([layout.empty_of(got)] + [layout.empty_of(a) for _, a in held]))
     else:
