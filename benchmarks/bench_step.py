@@ -47,6 +47,13 @@ float32). Each point of the sweep measures, per rank:
   difference between the two peaks is due to the mode alone. The peak counts
   everything MLX allocates: parameters, gradients, optimizer state,
   activations, communication buffers and temporaries.
+* **Gradients-only peak**: the same isolation for the forward and backward
+  pass alone (the model and its gradients, no optimizer). Every step's peak
+  holds at least this much; what a mode adds over it is its optimizer
+  state and its communication buffers. ``peak saved / state dropped`` is
+  ``(DDP peak - FSDP peak) / (DDP state - FSDP state)``: the share of the
+  optimizer state FSDP no longer holds that shows as a lower peak (1 when
+  its buffers cost nothing, above 1 when they cost less than DDP's).
 * **Optimizer-state bytes**: the sum of ``nbytes`` of all arrays in
   ``opt.state`` with at least one dimension (``mlx.utils.tree_flatten``).
   Scalars (``step``, ``learning_rate``, ``grad_norm``) are skipped: they are a
@@ -293,9 +300,24 @@ def memory_steps(args) -> int:
 
 
 def total_steps(args) -> int:
-    """Steps one point runs over both modes: memory phases, warm-up, timed and block-opening steps."""
+    """Steps one point runs: the gradients-only phase, then per mode memory, warm-up, timed and block-opening steps."""
     per_mode = memory_steps(args) + args.warmup + args.steps + math.ceil(args.steps / args.block)
-    return len(MODES) * per_mode
+    return memory_steps(args) + len(MODES) * per_mode
+
+
+def grads_phase(args, x, y, progress=None) -> int:
+    """The peak, in bytes, of the forward and backward pass alone, isolated as :func:`memory_phase`."""
+    clean_slate()
+    model = make_model(args)
+    loss_and_grad = nn.value_and_grad(model, lm.loss_fn)
+    for _ in range(memory_steps(args)):
+        mx.eval(loss_and_grad(model, x, y))
+        if progress is not None:
+            progress.advance()
+    peak = mx.get_peak_memory()
+    del model, loss_and_grad
+    clean_slate()
+    return peak
 
 
 def memory_phase(mode: str, args, x, y, progress=None) -> dict:
@@ -395,20 +417,24 @@ def run_config(cfg, group, x, y, progress=None) -> dict:
     Returns:
         dict: Per mode ``step_ms_median``, ``update_ms_median`` (how long
         ``opt.update`` held the caller), ``peak_mb``, ``state_mb`` (max over
-        ranks) and per-rank rows, plus ``ratios`` and ``max_param_diff``.
+        ranks) and per-rank rows, ``grads_peak_mb`` (the forward and
+        backward pass alone, max over ranks), plus ``ratios`` and
+        ``max_param_diff``.
     """
+    grads_peak = grads_phase(cfg, x, y, progress)
     mem = {m: memory_phase(m, cfg, x, y, progress) for m in MODES}
     times, holds, diff = timing_phase(cfg, x, y, progress)
-    local = []
+    local = [grads_peak / MB]
     for m in MODES:
         local += [statistics.median(times[m]), statistics.median(holds[m]),
                   mem[m]["peak_bytes"] / MB, mem[m]["state_bytes"] / MB]
     rows = gather(group, local)
     worst = [max(r[i] for r in rows) for i in range(len(local))]  # max over ranks, per column
+    grads_mb, worst, rows = worst[0], worst[1:], [r[1:] for r in rows]
     k = len(COLUMNS)
     res = {"device": device_label(), "model": cfg.model, "width": cfg.width, "layers": cfg.layers,
            "batch": cfg.batch, "dtype": cfg.dtype, "communication_size": cfg.communication_size,
-           "num_params": mem["ddp"]["num_params"], "max_param_diff": diff}
+           "num_params": mem["ddp"]["num_params"], "max_param_diff": diff, "grads_peak_mb": grads_mb}
     if cfg.model == "gpt":
         res.update(dims=cfg.width, heads=cfg.heads, seq_len=cfg.seq_len)
     else:
@@ -427,8 +453,15 @@ def run_config(cfg, group, x, y, progress=None) -> dict:
         "update": f["update_ms_median"] / d["update_ms_median"],
         "peak_memory": f["peak_mb"] / d["peak_mb"],
         "state_bytes": f["state_bytes_per_rank"] / d["state_bytes_per_rank"],
+        # None where FSDP drops no state (one process).
+        "peak_saved_per_state_dropped": ((d["peak_mb"] - f["peak_mb"]) / (d["state_mb"] - f["state_mb"])
+                                         if d["state_mb"] > f["state_mb"] else None),
     }
     return res
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _count(n: int) -> str:
@@ -452,9 +485,10 @@ def markdown(results, cfgs) -> str:
     """The sweep as one markdown table: a row per (device, model, dtype, bucket)."""
     lines = [
         "| device | model | params | dtype | bucket | DDP ms | FSDP ms | time FSDP/DDP | "
-        "DDP update ms | FSDP update ms | DDP peak MiB | FSDP peak MiB | peak FSDP/DDP | "
-        "DDP state MiB/rank | FSDP state MiB/rank | state FSDP/DDP |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "DDP update ms | FSDP update ms | grads-only peak MiB | DDP peak MiB | FSDP peak MiB | "
+        "peak FSDP/DDP | DDP state MiB/rank | FSDP state MiB/rank | state FSDP/DDP | "
+        "peak saved / state dropped |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r, cfg in zip(results, cfgs):
         d, f, q = r["ddp"], r["fsdp"], r["ratios"]
@@ -463,8 +497,9 @@ def markdown(results, cfgs) -> str:
             f"{_bucket(r['communication_size'])} | "
             f"{d['step_ms_median']:.1f} | {f['step_ms_median']:.1f} | {q['time']:.3f} | "
             f"{d['update_ms_median']:.2f} | {f['update_ms_median']:.2f} | "
-            f"{d['peak_mb']:.1f} | {f['peak_mb']:.1f} | {q['peak_memory']:.3f} | "
-            f"{d['state_mb']:.2f} | {f['state_mb']:.2f} | {q['state_bytes']:.3f} |"
+            f"{r['grads_peak_mb']:.1f} | {d['peak_mb']:.1f} | {f['peak_mb']:.1f} | {q['peak_memory']:.3f} | "
+            f"{d['state_mb']:.2f} | {f['state_mb']:.2f} | {q['state_bytes']:.3f} | "
+            f"{_ratio(q['peak_saved_per_state_dropped'])} |"
         )
     return "\n".join(lines)
 
@@ -490,7 +525,8 @@ def main(argv=None):
             q = results[-1]["ratios"]
             print(f"  {_count(results[-1]['num_params'])} {point}: time {q['time']:.3f}x, "
                   f"update hold {q['update']:.3f}x, peak {q['peak_memory']:.3f}x, "
-                  f"state {q['state_bytes']:.3f}x (FSDP/DDP)", file=sys.stderr, flush=True)
+                  f"state {q['state_bytes']:.3f}x (FSDP/DDP); peak saved / state dropped "
+                  f"{_ratio(q['peak_saved_per_state_dropped'])}", file=sys.stderr, flush=True)
     if rank != 0:
         return
     header = (

@@ -292,13 +292,20 @@ def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
         assert all(0 < u <= t for u, t in zip(r["rank0_update_ms"], r["rank0_step_ms"]))
     assert row["ratios"]["update"] > 0
     assert row["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.02)
+    # The forward and backward pass alone: a peak of its own, and the share of
+    # the dropped state that shows in FSDP's peak, by its definition.
+    assert row["grads_peak_mb"] > 0
+    d, f = row["ddp"], row["fsdp"]
+    assert row["ratios"]["peak_saved_per_state_dropped"] == pytest.approx(
+        (d["peak_mb"] - f["peak_mb"]) / (d["state_mb"] - f["state_mb"]))
     header, _, rows = out.partition("| device | model |")
     assert "device cpu" in header and "DDP update ms | FSDP update ms" in rows
+    assert "| grads-only peak MiB |" in rows and "| peak saved / state dropped |" in rows
     assert re.search(r"^\| cpu \| GPT 1x16, 2 heads, batch 2x8 \| [\d.]+k \| float32 \| 32 MiB \|"
-                     r"( [\d.]+ \|){11}$", rows, re.M), out
+                     r"( -?[\d.]+ \|){13}$", rows, re.M), out
     # Rank 0 shows its progress (steps and steps/s) on stderr, merged here.
-    # 2 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening) steps.
-    assert re.search(r"\[1/1\] GPT 1x16.*: 14/14 steps, [\d.]+ steps/s", out), out
+    # 3 gradients-only steps, then 2 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening).
+    assert re.search(r"\[1/1\] GPT 1x16.*: 17/17 steps, [\d.]+ steps/s", out), out
 
 
 def test_bench_collectives_two_ranks(tmp_path):
