@@ -268,7 +268,8 @@ def test_bench_step_sweep_two_ranks(tmp_path):
         assert r["ratios"]["state_bytes"] == pytest.approx(0.5, abs=0.01)
     table = open(tmp_path / "s.md").read()
     assert table.count("\n| ") == 8 + 1 and "state FSDP/DDP" in table  # header + 8 rows
-    assert "| cpu | MLP 2x48, batch 32 | 4.7k | bfloat16 | 1 KiB |" in out
+    # The row names the device the steps ran on (no --cpu: a GPU where there is one).
+    assert f"| {res['results'][0]['device']} | MLP 2x48, batch 32 | 4.7k | bfloat16 | 1 KiB |" in out
 
 
 def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
