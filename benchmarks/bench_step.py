@@ -171,6 +171,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="model seed (same on all ranks)")
     p.add_argument("--cpu", action="store_true",
                    help="run on the CPU even where MLX defaults to a GPU")
+    p.add_argument("--memory-limit", type=lm.parse_size, default=None,
+                   help="mx.set_memory_limit for the whole run, e.g. 1MiB: evaluation waits "
+                   "while more is allocated, so buffers are allocated no earlier than the "
+                   "work that fills them (slower; default: MLX's own limit)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
     args = p.parse_args(argv)
@@ -509,6 +513,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.cpu:
         mx.set_default_device(mx.cpu)
+    if args.memory_limit is not None:
+        mx.set_memory_limit(args.memory_limit)
     group = lm.init_distributed()
     rank, n = group.rank(), group.size()
     device = f"{device_label()} ({mx.device_info().get('device_name', 'unnamed')})"
@@ -533,6 +539,7 @@ def main(argv=None):
         f"world size {n}; device {device}; batch is rows per rank; AdamW lr {args.lr}, "
         f"max_norm {args.max_norm if args.max_norm > 0 else None}; FSDP reduce-scatter: {method}; "
         f"{args.steps} timed + {args.warmup} warm-up steps per mode (in blocks of {args.block}); "
+        + (f"memory limit {_bucket(args.memory_limit)}; " if args.memory_limit is not None else "") +
         f"update = time opt.update holds the caller (median); "
         f"ms and MiB are the max over ranks; ideal state ratio 1/N = {1 / n:.3f}"
     )

@@ -254,10 +254,13 @@ def test_bench_step_sweep_two_ranks(tmp_path):
     out = run_script(2, "benchmarks/bench_step.py",
                      ["--hidden", 32, 48, "--layers", 2, "--steps", 2, "--warmup", 1,
                       "--communication-size", "1KiB", "32MiB", "--dtype", "float32", "bfloat16",
+                      "--memory-limit", "1MiB",
                       "--json", tmp_path / "s.json", "--markdown", tmp_path / "s.md"])
     with open(tmp_path / "s.json") as f:
         res = json.load(f)
     assert res["world_size"] == 2 and res["reduce_scatter_method"] == "exchange"
+    # The run records the memory limit it set, and the header says so.
+    assert res["config"]["memory_limit"] == 1024**2 and "memory limit 1 MiB;" in out
     points = {(r["hidden"], r["dtype"], r["communication_size"]) for r in res["results"]}
     assert points == {(h, d, s) for h in (32, 48) for d in ("float32", "bfloat16")
                       for s in (1024, 32 * 1024**2)}
