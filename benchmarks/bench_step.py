@@ -428,13 +428,13 @@ def run_config(cfg, group, x, y, progress=None) -> dict:
     grads_peak = grads_phase(cfg, x, y, progress)
     mem = {m: memory_phase(m, cfg, x, y, progress) for m in MODES}
     times, holds, diff = timing_phase(cfg, x, y, progress)
-    local = [grads_peak / MB]
+    local = []
     for m in MODES:
         local += [statistics.median(times[m]), statistics.median(holds[m]),
                   mem[m]["peak_bytes"] / MB, mem[m]["state_bytes"] / MB]
-    rows = gather(group, local)
-    worst = [max(r[i] for r in rows) for i in range(len(local))]  # max over ranks, per column
-    grads_mb, worst, rows = worst[0], worst[1:], [r[1:] for r in rows]
+    rows = gather(group, local + [grads_peak / MB])  # the mode columns, then the grads-only peak
+    worst = [max(r[i] for r in rows) for i in range(len(local) + 1)]  # max over ranks, per column
+    grads_mb = worst[-1]
     k = len(COLUMNS)
     res = {"device": device_label(), "model": cfg.model, "width": cfg.width, "layers": cfg.layers,
            "batch": cfg.batch, "dtype": cfg.dtype, "communication_size": cfg.communication_size,
