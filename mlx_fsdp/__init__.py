@@ -18,6 +18,7 @@ from .control import PeerLost, RankMismatch
 from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
 from .fsdp import ShardedOptimizer, fsdp_step
+from .fully_sharded import FullyShardedModule, full_parameters, fully_shard
 from .hybrid import hybrid_groups
 from .placement import register_placement
 from .plan import Plan, build_plan
@@ -26,6 +27,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fsdp_step",
+    "fully_shard",
+    "FullyShardedModule",
+    "full_parameters",
     "ddp_step",
     "fsdp_apply_gradients",
     "hybrid_groups",

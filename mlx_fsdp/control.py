@@ -33,7 +33,8 @@ WORDS = 24
 #: Bytes of each readable value gathered to explain a mismatch.
 TEXT_BYTES = 96
 
-OPERATIONS = ("update", "save_checkpoint", "load_checkpoint", "init", "apply_gradients")
+OPERATIONS = ("update", "save_checkpoint", "load_checkpoint", "init", "apply_gradients",
+              "fully_shard")
 
 Value = Union[int, float, str, None]
 

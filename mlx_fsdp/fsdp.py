@@ -5,13 +5,15 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from . import control, layout, master
+from . import control, master
 from ._trees import match
 from .fused import FusedUpdates, use_fused_updates
 from .options import make_options
-from .placement import plan_for, sub_optimizers
+from .fully_sharded.model import step_plan
+from .placement import sub_optimizers
 from .plain import replicated_step
 from .plan import Plan, single_process_plan
+from .sharded_state import check_state, init_held
 from .step import sharded_step
 from .wrapper import DistributedOptimizer
 
@@ -101,9 +103,9 @@ class ShardedOptimizer(DistributedOptimizer):
         floating = _floating(parameters)
         dt = self.options.reduce_dtype
         grads = [(p, a.astype(dt) if dt is not None else a) for p, a in floating]
-        return plan_for(grads, [a for _, a in floating], self.optimizer,
-                        self.options.group.size(), self.options.communication_size,
-                        self.options.placement)
+        return step_plan(grads, [a for _, a in floating], self.optimizer,
+                         self.options.group.size(), self.options.communication_size,
+                         self.options.placement, parameters)
 
     def init(self, parameters):
         """Initialize this rank's shard of the optimizer state.
@@ -141,61 +143,6 @@ def _floating(parameters) -> list:
     """``(path, array)`` of the floating-point arrays of a tree (the trainable kinds)."""
     flat, params = match(parameters, parameters)
     return [(p, a) for (p, _), a in zip(flat, params) if mx.issubdtype(a.dtype, mx.floating)]
-
-
-def init_held(plan: Plan, optimizer, values, rank: int, masters: dict, master_dtype=None):
-    """Initialize ``optimizer`` (and ``masters``) on what ``rank`` holds under ``plan``.
-
-    Lazy, like any MLX ``init``: on unevaluated arrays it allocates nothing,
-    which is how :mod:`mlx_fsdp.plan_memory` sizes a rank's state.
-
-    Args:
-        plan (Plan): The plan.
-        optimizer (mlx.optimizers.Optimizer): The wrapped optimizer.
-        values (list[array]): The full parameters, indexed by ``Slot.index``.
-        rank (int): The rank.
-        masters (dict): Receives the masters of what the rank holds.
-        master_dtype (Dtype, optional): As for :func:`fsdp_step`. Default: ``None``.
-    """
-    for o, sub in enumerate(sub_optimizers(optimizer)):
-        held = [(s.path, a) for b in plan.buckets if b.optimizer == o
-                for s, a in layout.held_of(b, values, rank)]
-        steps = master.initial([p for p, _ in held], [a for _, a in held], masters, master_dtype)
-        sub.init({p: a for (p, _), a in zip(held, steps)})
-
-
-def held_shapes(plan: Plan, rank: int, optimizer_index: int) -> dict:
-    """``{path: shape}`` of what ``rank`` holds of each array a sub-optimizer updates."""
-    out = {}
-    for b in plan.buckets:
-        if b.optimizer == optimizer_index:
-            for s in b.held(rank):
-                lo, hi = layout.held_range(b, s, rank)
-                out[s.path] = s.shape if b.owned else (hi - lo,)
-    return out
-
-
-def check_state(plan: Plan, optimizer, rank: int):
-    """Raise if ``optimizer`` holds sharded state made for another plan or rank.
-
-    A state made for another tree, world size or budget has pieces of other
-    lengths, which would fail deep inside the update or, worse, broadcast
-    silently; state of an owned array belongs on its owner only.
-    """
-    for o, sub in enumerate(sub_optimizers(optimizer)):
-        want = held_shapes(plan, rank, o)
-        have = {k: v for k, v in sub.state.items() if isinstance(v, dict)}
-        bad = sorted(set(have) - set(want))
-        bad += [path for path, entries in have.items() if path in want and len(want[path]) == 1
-                for v in entries.values()
-                if isinstance(v, mx.array) and v.ndim and v.shape != want[path]]
-        if bad:
-            raise ValueError(
-                f"The optimizer state does not fit this step's plan ({plan.num_arrays} arrays "
-                f"sharded over N={plan.world_size}; e.g. {bad[:3]}): it was made for another "
-                "gradient tree, world size or communication_size. Keep those fixed for one "
-                "optimizer, start from a fresh optimizer, or load a checkpoint, which reshards."
-            )
 
 
 def fsdp_step(

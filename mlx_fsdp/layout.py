@@ -6,10 +6,11 @@ contiguous run ``[start, stop)`` and everything else is zero padding; rank
 ``r``'s shard is ``[r * cols, (r + 1) * cols)``.
 
 What a rank *holds* of a slot is the part of it in the rank's shard: a 1-D
-piece of a flat bucket's array (possibly empty, possibly all of it), or the
-whole array, shaped, of an owner bucket (on its owner only). The optimizer
-updates held arrays one by one, so its temporaries are as small as an
-array, and its state is per array.
+piece of a flat bucket's array (possibly empty, possibly all of it), the
+whole array, shaped, of an owner bucket (on its owner only), or its rows,
+shaped, of a rows bucket (see :mod:`mlx_fsdp.rows`). The optimizer updates
+held arrays one by one, so its temporaries are as small as an array, and
+its state is per array.
 
 * :func:`pack_parts` gives the parts of the whole vector from full arrays
   (the gradients to reduce-scatter);
@@ -25,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import rows as _rows
 from .plan import Bucket, Slot
 
 
@@ -56,13 +58,37 @@ def empty_of(a: mx.array) -> mx.array:
 
 def held_range(bucket: Bucket, slot: Slot, rank: int) -> Optional[Tuple[int, int]]:
     """``[begin, end)`` of the slot's own elements in ``rank``'s shard, or ``None``."""
+    if bucket.by_rows:
+        lo, hi = _rows.held_rows(slot.shape, slot.rows, rank)
+        size = _rows.row_size(slot.shape)
+        return (lo * size, hi * size) if hi > lo and size else None
     lo, hi = bucket.shard(rank)
     begin, end = max(slot.start, lo), min(slot.stop, hi)
     return (begin - slot.start, end - slot.start) if begin < end else None
 
 
+def held_shape(bucket: Bucket, slot: Slot, rank: int) -> Tuple[int, ...]:
+    """The shape of what ``rank`` holds of the slot (``(0,)`` or ``(0, ...)`` if nothing)."""
+    if bucket.by_rows:
+        return _rows.held_shape(slot.shape, slot.rows, rank)
+    r = held_range(bucket, slot, rank)
+    if bucket.owned:
+        return slot.shape if r is not None else (0,)
+    return (r[1] - r[0],) if r is not None else (0,)
+
+
+def _in_shard(bucket: Bucket, slot: Slot, rank: int, begin: int) -> int:
+    """Where element ``begin`` of the slot sits in ``rank``'s shard."""
+    if bucket.by_rows:
+        return slot.start
+    return slot.start + begin - bucket.shard(rank)[0]
+
+
 def _runs(bucket: Bucket, lo: int, hi: int, part: Callable, dtype) -> List[mx.array]:
     """Parts of elements ``[lo, hi)`` of the vector: ``part(slot, begin, end)`` and zero gaps."""
+    if bucket.by_rows:
+        return [p for r in range(lo // bucket.cols, hi // bucket.cols)
+                for p in _row_runs(bucket, r, part, dtype)]
     parts, at = [], lo
     for s in bucket.slots:
         if s.stop <= lo or s.start >= hi:
@@ -78,8 +104,27 @@ def _runs(bucket: Bucket, lo: int, hi: int, part: Callable, dtype) -> List[mx.ar
     return parts
 
 
+def _row_runs(bucket: Bucket, rank: int, part: Callable, dtype) -> List[mx.array]:
+    """Parts of ``rank``'s shard of a rows bucket: each slot's rows, then its padding rows."""
+    parts = []
+    for s in bucket.slots:
+        run = s.rows * _rows.row_size(s.shape)
+        r = held_range(bucket, s, rank)
+        if r is not None:
+            p = part(s, *r)
+            parts.append(p if p.dtype == dtype else p.astype(dtype))
+        if run > (r[1] - r[0] if r else 0):
+            parts.append(mx.zeros((run - (r[1] - r[0] if r else 0),), dtype))
+    return parts
+
+
 def _slice_of(arrays):
     def part(s: Slot, begin: int, end: int) -> mx.array:
+        if s.rows:
+            # A block of rows: a view even of a transposed array, flattened alone.
+            size = _rows.row_size(s.shape)
+            a = arrays[s.index]
+            return (a if not s.shape else a[begin // size:end // size]).reshape(-1)
         flat = flatten(s, arrays[s.index])
         return flat if (begin, end) == (0, s.size) else flat[begin:end]
     return part
@@ -120,24 +165,33 @@ def held(bucket: Bucket, shard: mx.array, rank: int) -> List[Tuple[Slot, mx.arra
         1-D piece (flat bucket) or the whole array, shaped (owner bucket).
         Views of ``shard``.
     """
-    lo = bucket.shard(rank)[0]
     out = []
     for s in bucket.slots:
         r = held_range(bucket, s, rank)
         if r is not None:
-            piece = shard[s.start + r[0] - lo:s.start + r[1] - lo]
-            out.append((s, piece.reshape(s.shape) if bucket.owned else piece))
+            at = _in_shard(bucket, s, rank, r[0])
+            piece = shard[at:at + r[1] - r[0]]
+            out.append((s, piece if not (bucket.owned or bucket.by_rows)
+                        else piece.reshape(held_shape(bucket, s, rank))))
     return out
 
 
 def held_of(bucket: Bucket, arrays: Sequence[mx.array], rank: int) -> List[Tuple[Slot, mx.array]]:
-    """What ``rank`` holds of each slot, cut from full arrays (see :func:`held`)."""
+    """What ``rank`` holds of each slot, cut from full arrays (see :func:`held`).
+
+    In a bucket with ``sharded_params`` the model holds only those parts,
+    and ``arrays`` are they.
+    """
     part = _slice_of(arrays)
     out = []
     for s in bucket.slots:
         r = held_range(bucket, s, rank)
-        if r is not None:
-            out.append((s, arrays[s.index] if bucket.owned else part(s, *r)))
+        if r is None:
+            continue
+        a = arrays[s.index]
+        if bucket.by_rows and s.shape and not bucket.sharded_params:
+            a = a[r[0] // _rows.row_size(s.shape):r[1] // _rows.row_size(s.shape)]
+        out.append((s, a if bucket.owned or bucket.by_rows else part(s, *r)))
     return out
 
 
@@ -184,7 +238,8 @@ def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
     padding: the views would keep it all alive for as long as the
     parameters live. That happens in an owner bucket whose arrays are uneven
     (one large array: ``N`` times its size), and there the arrays are copied
-    out so that the vector is freed.
+    out so that the vector is freed. An array of a rows bucket with others
+    beside it is ``N`` runs of the vector, and is copied out too.
 
     Args:
         bucket (Bucket): The bucket.
@@ -194,6 +249,8 @@ def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
         list[array]: The arrays, in the bucket's parameter dtype.
     """
     dtype = getattr(mx, bucket.param_dtype)
+    if bucket.by_rows:
+        return [a if a.dtype == dtype else a.astype(dtype) for a in _unpack_rows(bucket, vector)]
     copy = 4 * bucket.padding(vector.size // bucket.cols) > vector.size
     out = []
     for s in bucket.slots:
@@ -204,4 +261,22 @@ def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
         elif copy:
             a = a * 1  # a new buffer (``mx.contiguous`` keeps a contiguous view); exact, -0.0 too
         out.append(a)
+    return out
+
+
+def _unpack_rows(bucket: Bucket, vector: mx.array) -> List[mx.array]:
+    n = vector.size // bucket.cols
+    if len(bucket.slots) == 1:
+        blocks = [vector]
+    else:
+        matrix = vector.reshape(n, bucket.cols)
+        blocks = [matrix[:, s.start:s.start + s.rows * _rows.row_size(s.shape)]
+                  for s in bucket.slots]
+    out = []
+    for s, block in zip(bucket.slots, blocks):
+        if not s.shape:
+            out.append(block.reshape(-1)[0])
+            continue
+        rows = block.reshape((n * s.rows,) + tuple(s.shape[1:]))
+        out.append(rows if n * s.rows == s.shape[0] else rows[:s.shape[0]])
     return out

@@ -75,7 +75,7 @@ def _is_group(g) -> bool:
     return all(callable(getattr(g, name, None)) for name in ("rank", "size"))
 
 
-def _check_group(name: str, g):
+def check_group(name: str, g):
     if g is not None and not _is_group(g):
         raise ValueError(
             f"{name}={g!r} is not an mx.distributed.Group; pass a group from "
@@ -92,7 +92,7 @@ def _check_number(name: str, value, *, allow_none: bool, positive: bool, fix: st
         raise ValueError(f"{name}={value!r} must be {need}{' (or None)' if allow_none else ''}; {fix}")
 
 
-def _check_dtype(name: str, dtype):
+def check_dtype(name: str, dtype):
     if dtype is not None and (not isinstance(dtype, mx.Dtype)
                               or not mx.issubdtype(dtype, mx.floating)):
         raise ValueError(
@@ -141,8 +141,8 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
         name = "fsdp_step" if sharded else "ddp_step"
         what = (f"{only}, which only fsdp_step has" if only else f"the unknown option(s) {unknown}")
         raise ValueError(f"{name} got {what}; its options are {', '.join(sorted(allowed))}.")
-    _check_group("group", kwargs.get("group"))
-    _check_group("dp_group", kwargs.get("dp_group"))
+    check_group("group", kwargs.get("group"))
+    check_group("dp_group", kwargs.get("dp_group"))
     size = kwargs.get("communication_size")
     if size is None:
         gpu = mx.default_device() == mx.gpu
@@ -162,8 +162,8 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
             f"communication_stream={opts.communication_stream!r} must be an mx.Stream, e.g. "
             "mx.new_stream(mx.default_device()), or None."
         )
-    _check_dtype("master_dtype", opts.master_dtype)
-    _check_dtype("reduce_dtype", opts.reduce_dtype)
+    check_dtype("master_dtype", opts.master_dtype)
+    check_dtype("reduce_dtype", opts.reduce_dtype)
     k = opts.grad_accumulation_steps
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(

@@ -54,7 +54,7 @@ _registry = {
 _warned = set()
 
 
-def _check_rule(rule, what: str):
+def check_rule(rule, what: str):
     if rule in (FLAT, OWNER) or callable(rule):
         return
     raise ValueError(
@@ -80,7 +80,7 @@ def register_placement(optimizer_class: type, rule: Rule):
             f"optimizer_class={optimizer_class!r} is not an mlx.optimizers.Optimizer "
             "subclass; pass the class itself, e.g. register_placement(MyOpt, 'owner')."
         )
-    _check_rule(rule, "rule")
+    check_rule(rule, "rule")
     _registry[optimizer_class] = rule
 
 
@@ -136,7 +136,7 @@ def resolve(optimizer, placement=None) -> list:
         rules = [placement] * len(parts)
     for r in rules:
         if r is not None:
-            _check_rule(r, "placement")
+            check_rule(r, "placement")
     return [_rule_of(o) if r is None else r for o, r in zip(parts, rules)]
 
 

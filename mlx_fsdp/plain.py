@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from . import accumulate, clip, consistency, master
 from ._trees import like, match
+from .fully_sharded.model import sharded_modules
 from .placement import signature_of
 
 
@@ -74,6 +75,12 @@ def replicated_step(opts, optimizer, state, gradients, parameters, *,
         clipping (``None`` without ``max_norm``).
     """
     flat_grads, flat_params = match(gradients, parameters)
+    if sharded_modules(parameters):
+        raise ValueError(
+            "This model is fully sharded (mlx_fsdp.fully_shard): its gradients arrive "
+            "reduce-scattered and averaged over the ranks, shaped like the shards each rank "
+            "holds, and averaging them again would be wrong. Use mlx_fsdp.fsdp_step, or a "
+            "plain element-wise mlx.optimizers optimizer, on a fully sharded model.")
     traced = accumulate.is_traced(state["micro_step"])
     if opts.world_size > 1:
         tree = consistency.describe_tree(

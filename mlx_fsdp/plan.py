@@ -14,20 +14,14 @@ slice, so the new parameters are views of the gathered buffer with no copy.
 
 * A *flat* bucket (element-wise optimizers) packs its arrays back to back and
   pads at the end: an array may straddle two ranks' shards, and every rank
-  holds about ``1/N`` of the bucket. The optimizer updates a rank's whole
-  shard as one array.
+  holds about ``1/N`` of the bucket (see :mod:`mlx_fsdp.flat`).
 * An *owner* bucket (shape-aware optimizers: Muon, Adafactor) gives every
   array to one owner rank (see :mod:`mlx_fsdp.owners`) and packs rank ``r``'s
   arrays at the start of its shard, padded to the longest shard: the owner
   gets each of its arrays whole and updates it with the unmodified optimizer.
-
-Element order. With ``N > 1`` a 2-D array of a flat bucket is enumerated
-column by column (``Slot.order == "F"``), every other array row by row. MLX
-returns the gradient of a ``Linear`` weight as a transposed view of a
-row-major buffer; in column order that view flattens without a strided copy,
-and the gathered weight comes back as a transposed view of the bucket. The
-order is the plan's, never the memory layout's, so results do not depend on
-how an array happens to be stored.
+* A *rows* bucket (the parameters :func:`mlx_fsdp.fully_shard` keeps) gives
+  every rank its axis-0 slice of every array, each padded to the same number
+  of rows (see :mod:`mlx_fsdp.rows`).
 """
 
 import functools
@@ -37,11 +31,13 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from . import flat as _flat
 from . import owners as _owners
+from . import rows as _rows
 
-#: Placements: 1/N of a bucket per rank, or whole arrays on owner ranks (see
-#: :mod:`mlx_fsdp.placement`).
-FLAT, OWNER = "flat", "owner"
+#: Placements: 1/N of a bucket per rank, whole arrays on owner ranks (see
+#: :mod:`mlx_fsdp.placement`), or every rank its axis-0 slice (see :mod:`mlx_fsdp.rows`).
+FLAT, OWNER, ROWS = "flat", "owner", "rows"
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -62,7 +58,9 @@ class Slot:
         owner (int, optional): For an owner bucket, the rank that holds and
             updates the whole array; ``None`` in a flat bucket.
         order (str): ``"F"`` if the array is enumerated column by column,
-            ``"C"`` if row by row (see the module docstring).
+            ``"C"`` if row by row (see :mod:`mlx_fsdp.flat`).
+        rows (int): In a rows bucket, the rows of each rank's chunk, and
+            ``start`` is where the chunk starts in every shard; ``0`` otherwise.
     """
 
     path: str
@@ -72,6 +70,7 @@ class Slot:
     start: int
     owner: Optional[int] = None
     order: str = "C"
+    rows: int = 0
 
     @property
     def stop(self) -> int:
@@ -91,6 +90,10 @@ class Bucket:
         owned (bool): Whether arrays are kept whole on owner ranks.
         slots (tuple[Slot]): The arrays, in their order in the flat vector.
         cols (int): Elements of each rank's shard.
+        by_rows (bool): Whether every rank holds its axis-0 slice of every array.
+        sharded_params (bool): Whether the model itself keeps only what each
+            rank holds of these parameters (:func:`mlx_fsdp.fully_shard`), so
+            that the step neither reduce-scatters nor all-gathers the bucket.
     """
 
     index: int
@@ -100,6 +103,8 @@ class Bucket:
     owned: bool
     slots: Tuple[Slot, ...]
     cols: int
+    by_rows: bool = False
+    sharded_params: bool = False
 
     @property
     def key(self) -> str:
@@ -112,6 +117,8 @@ class Bucket:
 
     def held(self, rank: int) -> Tuple[Slot, ...]:
         """The slots with elements in ``rank``'s shard (owner buckets: those it owns)."""
+        if self.by_rows:
+            return tuple(s for s in self.slots if s.size and _rows.holds(s.shape, s.rows, rank))
         lo, hi = self.shard(rank)
         return tuple(s for s in self.slots if s.start < hi and s.stop > lo)
 
@@ -170,13 +177,19 @@ class Plan:
             f"budget={self.communication_size} bytes, padding={self.num_padding}"
         ]
         for b in self.buckets:
-            kind = "whole arrays on owner ranks" if b.owned else "flat"
+            kind = ("whole arrays on owner ranks" if b.owned else
+                    "axis-0 slices" if b.by_rows else "flat")
+            if b.sharded_params:
+                kind += " in the model (fully_shard)"
             lines.append(
                 f"  bucket {b.index}: {kind}, {b.dtype} (params {b.param_dtype}), optimizer "
                 f"{b.optimizer}, {len(b.slots)} arrays, shard {b.cols} elements, "
                 f"{b.nbytes(self.world_size)} bytes, padding {b.padding(self.world_size)}"
             )
             for s in b.slots:
+                if b.by_rows:
+                    lines.append(f"    {s.path} {s.shape}: {s.rows} rows per rank at {s.start}")
+                    continue
                 where = (f"rank {s.owner}" if s.owner is not None else
                          f"ranks {s.start // b.cols}-{(s.stop - 1) // b.cols}")
                 order = ", column by column" if s.order == "F" else ""
@@ -205,34 +218,9 @@ def _check_signature(signature: Signature):
                 )
 
 
-def _size(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
-
-
 def _flat_buckets(entries, n, itemsize, budget):
-    """Greedy split in tree order: close a bucket before it would exceed ``budget``."""
-    groups, current, used = [], [], 0
-    for entry in entries:
-        nbytes = _size(entry[2]) * itemsize
-        if current and (budget <= 0 or used + nbytes > budget):
-            groups.append(current)
-            current, used = [], 0
-        current.append(entry)
-        used += nbytes
-    if current:
-        groups.append(current)
-    out = []
-    for group in groups:
-        slots, at = [], 0
-        for index, path, shape in group:
-            order = "F" if len(shape) == 2 and n > 1 else "C"
-            slots.append(Slot(path, index, tuple(shape), _size(shape), at, None, order))
-            at += _size(shape)
-        out.append((slots, -(-at // n)))
-    return out
+    return [([Slot(p, i, sh, sz, start, order=order) for i, p, sh, sz, start, order in placed], cols)
+            for cols, placed in _flat.layout(entries, n, itemsize, budget)]
 
 
 def _owner_buckets(entries, owner, n, itemsize, budget):
@@ -243,6 +231,11 @@ def _owner_buckets(entries, owner, n, itemsize, budget):
     return out
 
 
+def _row_buckets(entries, n, itemsize, budget):
+    return [([Slot(p, i, sh, sz, off, rows=k) for i, p, sh, sz, k, off in placed], cols)
+            for cols, placed in _rows.layout(entries, n, itemsize, budget)]
+
+
 @functools.lru_cache(maxsize=64)
 def build_plan(signature: Signature, world_size: int, communication_size: int) -> Plan:
     """Build (or fetch from the cache) the plan for a tree signature.
@@ -251,7 +244,8 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
     placement), in tree order; a bucket is closed before an array that would
     take it past ``communication_size`` bytes, so an array larger than the
     budget gets a bucket of its own. Owner-placed arrays get their owners
-    and shard positions from :mod:`mlx_fsdp.owners`.
+    and shard positions from :mod:`mlx_fsdp.owners`, row-placed ones their
+    chunks from :mod:`mlx_fsdp.rows`.
 
     Args:
         signature (tuple): ``(path, shape, grad_dtype, param_dtype, optimizer,
@@ -269,23 +263,27 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
         raise ValueError(f"world_size={world_size!r} must be a positive integer.")
     groups = {}
     for index, (path, shape, dtype, param_dtype, optimizer, where) in enumerate(signature):
-        key = (optimizer, dtype, param_dtype, where == OWNER)
-        groups.setdefault(key, []).append((index, path, tuple(shape)))
+        groups.setdefault((optimizer, dtype, param_dtype, where), []).append(
+            (index, path, tuple(shape)))
     # One balance over all owner-placed arrays: their updates run in the same step.
     owner = _owners.assign(
         [(path, shape, getattr(mx, dtype).size)
-         for (_, dtype, _, owned), entries in groups.items() if owned
+         for (_, dtype, _, where), entries in groups.items() if where == OWNER
          for _, path, shape in entries],
         world_size,
     )
     buckets = []
-    for (optimizer, dtype, param_dtype, owned), entries in groups.items():
+    for (optimizer, dtype, param_dtype, where), entries in groups.items():
         itemsize = getattr(mx, dtype).size
-        split = (_owner_buckets(entries, owner, world_size, itemsize, communication_size)
-                 if owned else _flat_buckets(entries, world_size, itemsize, communication_size))
+        if where == OWNER:
+            split = _owner_buckets(entries, owner, world_size, itemsize, communication_size)
+        elif where == ROWS:
+            split = _row_buckets(entries, world_size, itemsize, communication_size)
+        else:
+            split = _flat_buckets(entries, world_size, itemsize, communication_size)
         for slots, cols in split:
-            buckets.append(Bucket(len(buckets), dtype, param_dtype, optimizer, owned,
-                                  tuple(slots), cols))
+            buckets.append(Bucket(len(buckets), dtype, param_dtype, optimizer, where == OWNER,
+                                  tuple(slots), cols, where == ROWS))
     return Plan(world_size, int(communication_size), tuple(buckets))
 
 

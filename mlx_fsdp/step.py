@@ -4,7 +4,10 @@ plan -> check -> reduce-scatter each bucket -> accumulate and average -> clip
 -> update this rank's shards -> all-gather each bucket. The layout of a
 bucket (one flat vector, rank ``r`` holding ``[r * cols, (r + 1) * cols)``)
 is in :mod:`mlx_fsdp.plan`; packing and cutting it in :mod:`mlx_fsdp.layout`;
-the collectives in :mod:`mlx_fsdp.collectives`.
+the collectives in :mod:`mlx_fsdp.collectives`. The parameters of a fully
+sharded module (:func:`mlx_fsdp.fully_shard`) arrive as what this rank holds,
+their gradients already reduce-scattered in the backward pass: their
+buckets skip both collectives (:mod:`mlx_fsdp.fully_sharded.model`).
 
 The step only builds a graph. It returns as soon as the graph is built, and
 the caller's ``mx.eval`` runs it, as with ``mlx.nn.average_gradients``, so
@@ -20,7 +23,8 @@ import mlx.core as mx
 
 from . import accumulate, clip, collectives, consistency, layout
 from ._trees import like, match
-from .placement import plan_for, sub_optimizers
+from .fully_sharded.model import step_plan
+from .placement import sub_optimizers
 from .plain import apply_optimizer
 from .order import CollectiveOrder
 from .plan import Plan
@@ -36,7 +40,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             this rank's state (see :mod:`mlx_fsdp.state`).
         state (WrapperState): The wrapper's state, updated in place.
         gradients (dict): This rank's local gradients.
-        parameters (dict): The parameters, a superset of the gradients' paths.
+        parameters (dict): The parameters, a superset of the gradients' paths,
+            or the model.
         dog (Watchdog, optional): Watches the cross-rank check. Default: ``None``.
         adopt (callable, optional): Called with the plan before anything uses
             the optimizer state (the wrapper checks that the state fits it).
@@ -56,7 +61,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     traced = accumulate.is_traced(state["micro_step"])
 
     # -- plan: buckets and shards, cached per tree structure, N and budget
-    plan = plan_for(flat_grads, params, optimizer, n, opts.communication_size, opts.placement)
+    plan = step_plan(flat_grads, params, optimizer, n, opts.communication_size, opts.placement,
+                     parameters)
     # -- check: every rank takes this step, with the same plan and settings
     summary = consistency.describe_tree(plan.num_arrays, plan.num_elements, plan.fingerprint,
                                         f", {len(plan.buckets)} buckets")
@@ -82,10 +88,16 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         # instead of 1.09-1.16x).
         order.ran(mx.concatenate([layout.empty_of(g) for g in reversed(grads)]))
     held = {}  # path -> summed gradient of what this rank holds of it
+    averaged = set()  # paths whose gradient the model averaged over the group
     for bucket in reversed(plan.buckets):
-        for slot, g in collectives.reduce_bucket(bucket, grads, group, method=method, order=order,
-                                                 stream=stream, dp_group=opts.dp_group):
-            held[slot.path] = g
+        if bucket.sharded_params:
+            mine = collectives.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
+                                                 opts.dp_group, order=order, stream=stream)
+            averaged.update(slot.path for slot, _ in mine)
+        else:
+            mine = collectives.reduce_bucket(bucket, grads, group, method=method, order=order,
+                                             stream=stream, dp_group=opts.dp_group)
+        held.update((slot.path, g) for slot, g in mine)
     del grads
 
     # -- accumulate micro-batches (sharded, or any inside mx.compile) and average
@@ -94,7 +106,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         held = dict(zip(held, sums))
         if finish is False:
             return None, None, plan
-    held = {p: g / (opts.world_size * k) for p, g in held.items()}
+    replicas = opts.world_size // n
+    held = {p: g / ((replicas if p in averaged else opts.world_size) * k) for p, g in held.items()}
 
     # -- clip by the global norm: every element is held by exactly one rank
     norm = None
@@ -112,6 +125,10 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     out = list(params)
     for bucket in plan.buckets:
         mine = {s.index: new[s.path] for s in bucket.held(rank)}
+        if bucket.sharded_params:  # the model keeps what this rank holds
+            for index, a in mine.items():
+                out[index] = accumulate.select(finish, a, params[index])
+            continue
         parts = layout.held_parts(bucket, mine, rank)
         vector = order.ran(collectives.all_gather(order.join(parts, getattr(mx, bucket.param_dtype)),
                                                   group, stream=stream))

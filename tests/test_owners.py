@@ -15,7 +15,7 @@ import pytest
 import mlx_fsdp
 from launch import run_ranks
 from mlx_fsdp import layout, owners, placement
-from mlx_fsdp.fsdp import check_state
+from mlx_fsdp.sharded_state import check_state
 from mlx_fsdp.placement import plan_for
 from mlx_fsdp.plan import build_plan
 

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_fsdp
-from mlx_fsdp.fsdp import check_state
+from mlx_fsdp.sharded_state import check_state
 from mlx_fsdp.plan import build_plan
 from workers.common import batch, loss_fn, make_model
 

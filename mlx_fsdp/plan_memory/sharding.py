@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 
 from .. import layout, master
-from ..fsdp import init_held
+from ..sharded_state import init_held
 from ..placement import plan_for
 
 
@@ -82,7 +82,7 @@ def _fsdp_state(
 ) -> Dict[str, object]:
     """The arrays rank ``rank`` of ``fsdp_step`` keeps, built lazily.
 
-    The step's own plan and :func:`mlx_fsdp.fsdp.init_held` (what
+    The step's own plan and :func:`mlx_fsdp.sharded_state.init_held` (what
     ``ShardedOptimizer.init`` runs): this rank's piece of every flat-placed
     array and the whole of every array it owns, masters of those, and the
     real optimizer initialized on them. Built from shape-only (unevaluated)

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 import mlx_fsdp
-from mlx_fsdp.fsdp import held_shapes
+from mlx_fsdp.sharded_state import held_shapes
 
 mode, path = sys.argv[1], sys.argv[2]
 group = mx.distributed.init()

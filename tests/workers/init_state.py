@@ -7,7 +7,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 import mlx_fsdp
-from mlx_fsdp.fsdp import held_shapes
+from mlx_fsdp.sharded_state import held_shapes
 
 group = mx.distributed.init()
 model, lazy_model = make_model(), make_model()

@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 import mlx_fsdp
-from mlx_fsdp.fsdp import held_shapes
+from mlx_fsdp.sharded_state import held_shapes
 
 STEPS = int(sys.argv[1])
 group = mx.distributed.init()

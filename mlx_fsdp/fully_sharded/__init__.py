@@ -1,0 +1,14 @@
+"""Parameter sharding (ZeRO-3): ``fully_shard`` and the optimizer step on its shards.
+
+:func:`fully_shard` wraps a module so that each rank keeps only its part of
+the module's parameters (see :mod:`.module`); the module gathers them for
+its call and reduce-scatters their gradients in the backward pass
+(:mod:`.gather`). :func:`mlx_fsdp.fsdp_step` then updates the shards where
+they are, with no collective of its own besides the gradient norm
+(:mod:`.step`).
+"""
+
+from .full import full_parameters, plain_paths
+from .module import FullyShardedModule, fully_shard
+
+__all__ = ["FullyShardedModule", "fully_shard", "full_parameters", "plain_paths"]

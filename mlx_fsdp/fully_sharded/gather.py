@@ -1,0 +1,130 @@
+"""A module's parameters gathered for its call, their gradients reduce-scattered back.
+
+The module keeps what its rank holds of each parameter (see
+:mod:`mlx_fsdp.rows` and :mod:`mlx_fsdp.owners`). A call all-gathers each
+bucket of the module's plan and cuts the full parameters out of it
+(:func:`mlx_fsdp.layout.unpack`). The gathering is an ``mx.custom_function``
+whose VJP reduce-scatters the full gradients bucket by bucket, as the
+sharded step does (:func:`mlx_fsdp.collectives.reduce_bucket`), and divides
+by the group size, so that ``value_and_grad`` returns this rank's part of
+the averaged gradient of every parameter, in the parameter's own dtype.
+
+Order and lifetime. Every rank must run the collectives in one order, and
+the full arrays should exist only while they are used:
+
+* a gather waits for the module's inputs (empty slices of them join its
+  input), so a block's parameters are gathered when the block runs, not
+  when MLX happens to schedule an independent all-gather;
+* the VJP hands every input a zero cotangent that depends on the reduced
+  gradients, so the backward pass of the layers before this module waits
+  for its reduce-scatter: the full gradients are freed as soon as they are
+  summed, and the reduce-scatters run in the backward pass's own order;
+* the buckets of one module, and all collectives of a group, are chained by
+  :class:`mlx_fsdp.order.CollectiveOrder`, as in the sharded step.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .. import collectives, layout
+from ..order import CollectiveOrder
+from ..plan import Plan
+
+
+def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array], group,
+                   rank: int, order: CollectiveOrder, stream=None) -> List[mx.array]:
+    """The full arrays of ``plan`` from what this rank holds, one all-gather per bucket.
+
+    Args:
+        plan (Plan): The module's plan (rows or owner buckets).
+        held (list[array]): What this rank holds of each array, by ``Slot.index``.
+        deps (list[array]): Arrays the first gather waits for (the module's inputs).
+        group (mlx.core.distributed.Group): The shard group.
+        rank (int): This rank in ``group``.
+        order (CollectiveOrder): Chains the collectives.
+        stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+
+    Returns:
+        list[array]: The full arrays, by ``Slot.index``, in each bucket's parameter dtype.
+    """
+    full: List[Optional[mx.array]] = [None] * len(held)
+    waits = [layout.empty_of(d) for d in deps]
+    for b in plan.buckets:
+        dtype = getattr(mx, b.param_dtype)
+        parts = layout.held_parts(b, {s.index: held[s.index] for s in b.held(rank)}, rank)
+        vector = order.ran(collectives.all_gather(order.join(waits + parts, dtype), group,
+                                                  stream=stream))
+        waits = []
+        for s, a in zip(b.slots, layout.unpack(b, vector)):
+            full[s.index] = a
+    if plan.buckets:  # evaluated with the parameters, the kept token holds nothing
+        last = plan.buckets[-1].slots[-1].index
+        full[last] = order.settle(full[last])
+    return full
+
+
+def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.array], group,
+                   rank: int, method: str, order: CollectiveOrder,
+                   stream=None) -> List[mx.array]:
+    """This rank's part of the averaged gradients, one reduce-scatter per bucket.
+
+    The last bucket first: the backward pass computes its gradients first.
+
+    Args:
+        plan (Plan): The module's plan.
+        grads (list[array]): The full gradients, by ``Slot.index``.
+        held (list[array]): What this rank holds of each parameter (shapes and dtypes).
+        group (mlx.core.distributed.Group): The shard group.
+        rank (int): This rank in ``group``.
+        method (str): The reduce-scatter method (see :mod:`mlx_fsdp.collectives`).
+        order (CollectiveOrder): Chains the collectives.
+        stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+
+    Returns:
+        list[array]: Shaped and typed like ``held``; zero-size where this rank holds nothing.
+    """
+    n = group.size()
+    out = [mx.zeros(h.shape, h.dtype) for h in held]
+    for b in reversed(plan.buckets):
+        for s, g in collectives.reduce_bucket(b, grads, group, method=method, order=order,
+                                              stream=stream):
+            out[s.index] = (g / n).astype(held[s.index].dtype)
+    if plan.buckets:
+        out[0] = order.settle(out[0])
+    return out
+
+
+def make_gather(plan: Plan, group, method: str, traced: bool, stream=None):
+    """The custom function ``gather(held, deps) -> full`` of a module's trainable arrays.
+
+    Args:
+        plan (Plan): The plan of the trainable arrays.
+        group (mlx.core.distributed.Group): The shard group.
+        method (str): The reduce-scatter method of its VJP.
+        traced (bool): Whether it runs inside ``mx.compile`` (its collectives
+            then chain only to each other; see :class:`mlx_fsdp.order.CollectiveOrder`).
+        stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+
+    Returns:
+        mlx.core.custom_function: ``gather(held, deps)`` with its VJP.
+    """
+    rank = group.rank()
+
+    @mx.custom_function
+    def gather(held, deps):
+        order = CollectiveOrder(group, traced)
+        return gather_buckets(plan, held, deps, group, rank, order, stream)
+
+    @gather.vjp
+    def gather_vjp(primals, cotangents, _):
+        held, deps = primals
+        order = CollectiveOrder(group, traced)
+        grads = reduce_buckets(plan, cotangents, held, group, rank, method, order, stream)
+        # What the layers before this module need of their backward pass
+        # waits for the reduced gradients (see the module docstring).
+        token = mx.concatenate([layout.empty_of(g).astype(mx.float32) for g in grads])
+        zero = mx.depends(mx.zeros((), mx.float32), token)
+        return grads, [mx.broadcast_to(zero.astype(d.dtype), d.shape) for d in deps]
+
+    return gather
