@@ -1,8 +1,9 @@
 """``python -m mlx_fsdp.lora``: ``mlx_lm.lora`` on a sharded optimizer.
 
 Takes every flag of ``mlx_lm.lora`` (and its YAML ``--config``), plus
-``--fsdp/--no-fsdp``, ``--communication-size``, ``--max-norm``,
-``--master-dtype``, ``--accumulation``, ``--checkpoint-dir`` and ``--resume``; ``--save-every``
+``--fsdp/--no-fsdp``, ``--fully-shard``, ``--reshard-after-forward``,
+``--communication-size``, ``--max-norm``, ``--master-dtype``,
+``--accumulation``, ``--checkpoint-dir`` and ``--resume``; ``--save-every``
 also saves a sharded checkpoint. Under ``mlx.launch -n N`` it trains with
 :func:`mlx_fsdp.fsdp_step`, with no second all-reduce::
 
@@ -23,6 +24,8 @@ import mlx.core as mx
 #: Defaults of the flags this command adds to ``mlx_lm.lora``'s.
 FSDP_DEFAULTS = {
     "fsdp": True,
+    "fully_shard": False,
+    "reshard_after_forward": False,
     "communication_size": None,
     "max_norm": None,
     "master_dtype": None,
@@ -51,6 +54,15 @@ _FLAGS = (
         action=argparse.BooleanOptionalAction,
         help="Shard the optimizer state over the ranks (fsdp_step); --no-fsdp replicates "
              "it (ddp_step). Default: --fsdp.")),
+    ("--fully-shard", dict(
+        action="store_true",
+        help="Also shard the parameters (ZeRO-3): each transformer block, then the model, "
+             "is wrapped with mlx_fsdp.fully_shard and gathers its parameters only while "
+             "it runs. Needs --fsdp. Default: off.")),
+    ("--reshard-after-forward", dict(
+        action="store_true",
+        help="With --fully-shard: free each block's gathered parameters after its forward "
+             "pass and recompute the block in the backward pass. Default: off.")),
     ("--communication-size", dict(
         type=parse_size,
         help="Bytes per communication bucket: 33554432, 32MiB, 512KiB. Default: the "
@@ -146,6 +158,8 @@ def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
     train(
         model, optimizer, train_dataset, val_dataset, args,
         training_callback=training_callback, fsdp=options.fsdp,
+        fully_shard=bool(options.fully_shard),
+        reshard_after_forward=bool(options.reshard_after_forward),
         accumulation=options.accumulation,
         checkpoint_dir=options.checkpoint_dir or os.path.join(adapter_path, "checkpoints"),
         resume=bool(options.resume), log_file=os.path.join(adapter_path, "losses.jsonl"),
@@ -164,9 +178,13 @@ def main(argv=None):
     from mlx_lm.lora import run
 
     from .lm.hooks import lora_train_replaced
+    from .lm.sharding import check_options
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # as mlx_lm.lora sets it
     args = parse_args(argv)
+    # Before the model loads: a refused combination fails at once.
+    check_options(args.fsdp, bool(args.fully_shard), bool(args.reshard_after_forward),
+                  bool(args.resume))
     with lora_train_replaced(partial(_train, args)):
         run(args)
 

@@ -38,7 +38,17 @@ RUNS = {
     # mlx-lm's own accumulation of full gradients.
     "accumulate": ("llama", "lora", 0.0, ["--grad-accumulation-steps", "2"],
                    ["--accumulation", "sharded"]),
+    # Parameters sharded too (fully_shard on each block, then the model), against the
+    # reference run of the same name without "-sharded": a full fine-tune whose blocks are
+    # recomputed in the backward pass (Qwen3 ties its head to the embedding), and QLoRA
+    # (frozen and trainable arrays in one module, quantized weights kept whole).
+    "full-sharded": ("qwen3", "full", 0.0, [], ["--fully-shard", "--reshard-after-forward"]),
+    "qlora-sharded": ("llama-4bit", "lora", 0.0, [], ["--fully-shard"]),
 }
+
+#: The mlx_lm.lora run each of ours is compared with: the same flags, less our own.
+REFERENCE = {name: name.removesuffix("-sharded") for name in RUNS}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def offline():
@@ -80,6 +90,14 @@ def flags(files, name: str, adapter_path: str):
             "--adapter-path", adapter_path]
 
 
+def runs(files, names, paths: dict, ours: bool) -> list:
+    """The command line of the runs ``names`` in one process (see workers/lm_cli.py)."""
+    args = []
+    for name in names:
+        args += flags(files, name, paths[name]) + (RUNS[name][4] if ours else []) + ["---"]
+    return args[:-1]
+
+
 def read_log(adapter_path: str):
     with open(os.path.join(adapter_path, "losses.jsonl")) as fh:
         rows = [json.loads(line) for line in fh]
@@ -118,23 +136,19 @@ def launch(n: int, script: str, args) -> str:
 
 @pytest.fixture(scope="session")
 def reference(files, tmp_path_factory):
-    """mlx-lm's own ``mlx_lm.lora`` DDP runs on 2 ranks: {name: adapter path}."""
+    """mlx-lm's own ``mlx_lm.lora`` DDP runs on 2 ranks, one launch: {name: adapter path}."""
     root = tmp_path_factory.mktemp("lm_reference")
-    paths = {name: str(root / name) for name in RUNS}
-    args = []
-    for name in RUNS:
-        args += flags(files, name, paths[name]) + ["---"]
-    launch(2, "lm_reference.py", args[:-1])
+    paths = {name: str(root / REFERENCE[name]) for name in RUNS}
+    launch(2, "lm_reference.py", runs(files, dict.fromkeys(REFERENCE.values()), paths, ours=False))
     return paths
 
 
 @pytest.fixture(scope="session")
 def ours(files, tmp_path_factory):
-    """``python -m mlx_fsdp.lora`` on 2 ranks: {name: adapter path}."""
+    """``python -m mlx_fsdp.lora`` on 2 ranks, one launch: {name: adapter path}."""
     root = tmp_path_factory.mktemp("lm_ours")
     paths = {name: str(root / name) for name in RUNS}
-    for name in RUNS:
-        launch(2, "lm_cli.py", flags(files, name, paths[name]) + RUNS[name][4])
+    launch(2, "lm_cli.py", runs(files, RUNS, paths, ours=True))
     return paths
 
 
@@ -148,6 +162,7 @@ def test_cli_equals_mlx_lm_lora(name, ours, reference):
     with open(os.path.join(ours[name], "adapter_config.json")) as fh:
         config = json.load(fh)
     assert config["fine_tune_type"] == RUNS[name][1] and config["fsdp"] is True
+    assert config["fully_shard"] is ("--fully-shard" in RUNS[name][4])
 
 
 def test_cli_saves_sharded_checkpoints(ours):
@@ -180,6 +195,20 @@ def test_resume(name, n, extra, files, ours, tmp_path):
         assert_same_weights(os.path.join(path, file), os.path.join(ours[name], file))
 
 
+def test_fully_sharded_at_three_ranks(files, reference, ours, tmp_path):
+    """--fully-shard at N=3 (MPI; 32 rows do not divide by 3) gives mlx_lm.lora's N=2 losses
+    and weights (equal-length examples: the loss does not depend on N). No sharded
+    checkpoint is saved (not supported with --fully-shard yet), and rank 0 says so."""
+    path = str(tmp_path / "full-sharded")
+    out = launch(3, "lm_cli.py", flags(files, "full-sharded", path) + RUNS["full-sharded"][4])
+    assert "No sharded checkpoint will be saved" in out
+    for run in (path, ours["full-sharded"], ours["qlora-sharded"]):
+        assert not os.path.exists(os.path.join(run, "checkpoints"))
+    assert_same_losses(read_log(path), read_log(reference["full-sharded"]))
+    for file in ("adapters.safetensors", f"{ITERS:07d}_adapters.safetensors"):
+        assert_same_weights(os.path.join(path, file), os.path.join(reference["full-sharded"], file))
+
+
 def _logits(model, tokens):
     return model(mx.array([tokens]))
 
@@ -206,12 +235,14 @@ def test_adapters_load_and_fuse_with_mlx_lm(name, files, ours, tmp_path):
     assert generate(model, tokenizer, "the cat", max_tokens=3)
 
 
-def test_full_fine_tune_model_loads_with_mlx_lm(files, ours):
-    """The full fine-tune writes ADAPTER_PATH/model, which mlx_lm.load opens as a model."""
+@pytest.mark.parametrize("name", ["full", "full-sharded"])
+def test_full_fine_tune_model_loads_with_mlx_lm(name, files, ours):
+    """The full fine-tune writes ADAPTER_PATH/model, which mlx_lm.load opens as a model
+    (with --fully-shard: the whole weights, gathered from the ranks' shards)."""
     from mlx_lm import load
 
-    tuned, tokenizer = load(os.path.join(ours["full"], "model"))
-    via_adapters, _ = load(files["qwen3"], adapter_path=ours["full"])
+    tuned, tokenizer = load(os.path.join(ours[name], "model"))
+    via_adapters, _ = load(files["qwen3"], adapter_path=ours[name])
     tokens = tokenizer.encode("the dog sees a tree")
     assert mx.array_equal(_logits(tuned, tokens), _logits(via_adapters, tokens)).item()
     base, _ = load(files["qwen3"])
@@ -412,6 +443,18 @@ def test_cli_flags_and_yaml(tmp_path):
     assert parse_size("32M") == parse_size("32MiB") == 32 * 1024**2 and parse_size(7) == 7
     with pytest.raises(Exception, match="not a byte count"):
         parse_size("lots")
+
+
+def test_fully_shard_refuses_what_cannot_work():
+    """--fully-shard with ddp_step, --reshard-after-forward alone, and --resume (no sharded
+    checkpoints of fully sharded models yet) are refused before anything loads."""
+    from mlx_fsdp.lora import main
+
+    for extra, match in ((["--fully-shard", "--no-fsdp"], "ddp_step cannot step a fully sharded"),
+                         (["--reshard-after-forward"], "needs fully_shard=True"),
+                         (["--fully-shard", "--resume"], "not supported yet")):
+        with pytest.raises(ValueError, match=match):
+            main(["--model", "not-loaded", "--train", *extra])
 
 
 def test_bench_lm_writes_its_table_and_json(tmp_path):

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from .. import layout
 from ..placement import assign_optimizers, placements, plan_for, resolve
 from ..plan import OWNER, Bucket, Plan, dtype_name
+from .full import plain_path
 from .module import LIVE, FullyShardedModule
 
 
@@ -84,13 +85,16 @@ def model_plan(flat_grads, flat_params, optimizer, world_size: int, communicatio
                 local[f"{prefix}module.{s.path}"] = (prefix, m, b, s)
     regular = [i for i, (path, _) in enumerate(flat_grads) if path not in local]
     sharded = [i for i, (path, _) in enumerate(flat_grads) if path in local]
-    # Filters and placement rules see the full arrays' shapes (lazy zeros, never evaluated).
-    full = [(flat_grads[i][0], mx.zeros(local[flat_grads[i][0]][3].shape,
-                                        flat_grads[i][1].dtype)) for i in sharded]
+    # Filters and placement rules see the paths the model has without
+    # fully_shard and the full arrays' shapes (lazy zeros, never evaluated).
+    prefixes = sorted((p for p, _ in modules), key=len, reverse=True)
+    full = [(plain_path(flat_grads[i][0], prefixes),
+             mx.zeros(local[flat_grads[i][0]][3].shape, flat_grads[i][1].dtype)) for i in sharded]
     optimizer_of = assign_optimizers(full, optimizer)
     rules = placements(resolve(optimizer, placement), full, optimizer_of)
     entries = []
-    for i, (path, whole), o, rule in zip(sharded, full, optimizer_of, rules):
+    for i, o, rule in zip(sharded, optimizer_of, rules):
+        path = flat_grads[i][0]
         prefix, m, b, s = local[path]
         if rule == OWNER and not b.owned:
             raise ValueError(

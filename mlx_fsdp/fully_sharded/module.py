@@ -1,16 +1,15 @@
-"""``fully_shard``: a module whose parameters each rank holds only a part of.
+"""``FullyShardedModule``: a module whose parameters each rank holds only a part of.
 
-A drop-in for ``mlx.nn.fully_shard`` (same call, same ``"module"`` key in
-the parameter tree, same gradients where MLX's runs) that also runs on ring
-and MPI, takes any shape (padded as the sharded step pads), keeps the
-matrices of shape-aware optimizers whole on owner ranks, groups its
-collectives into buckets, and can free a block's gathered parameters
-between its forward and backward pass (``reshard_after_forward``).
+It is made by :func:`mlx_fsdp.fully_shard` (:mod:`.wrap`). At construction
+it cuts what this rank holds out of each of the module's own floating-point
+parameters (a plan of rows and owner buckets, the same on every rank); each
+call gathers them (:mod:`.gather`), runs the module and puts the shards back.
 """
 
 import dataclasses
+import functools
+import inspect
 import weakref
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,10 +17,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import collectives, control, layout
 from ..accumulate import is_traced
-from ..options import (DEFAULT_SIZE_CPU, DEFAULT_SIZE_GPU, check_dtype, check_group,
-                       group_or_global)
 from ..order import CollectiveOrder
 from ..plan import Plan, ROWS, build_plan, dtype_name
+from ..rows import row_size
 from .gather import gather_buckets, make_gather
 from .placement import placement_of
 from .remat import remat
@@ -119,38 +117,56 @@ class FullyShardedModule(nn.Module):
         return full
 
     def _gathered_call(self, fn, *args, **kwargs):
-        own = self.module.filter_and_map(_own)
-        by_path = dict(tree_flatten(own))
-        held = [by_path[p] for p in self._paths]
         # Inside mx.compile the parameters are placeholders (evaluating one
-        # fails); outside it is already evaluated, so asking costs nothing.
+        # fails); outside it they are evaluated, so asking costs nothing.
+        own = dict(tree_flatten(self.module.filter_and_map(_own)))
         parts = self._trainable_plan(frozenset(
             p for p, _ in tree_flatten(self.module.filter_and_map(_own_trainable))),
-            is_traced(held[0]))
+            is_traced(own[self._paths[0]]))
 
-        def body(trainable, *args, **kwargs):
+        def body(params, *args, **kwargs):
+            saved = None
+            if params is not None:  # a recomputation's inputs
+                saved = self.module.trainable_parameters()
+                self.module.update(params)
+            own = self.module.filter_and_map(_own)
+            by_path = dict(tree_flatten(own))
+            held = [by_path[p] for p in self._paths]
             deps = [a for _, a in tree_flatten((args, kwargs)) if isinstance(a, mx.array)]
-            full = self._full(held, trainable, deps, parts)
+            full = self._full(held, [held[i] for i in parts[0]], deps, parts)
             self.module.update(tree_unflatten(list(zip(self._paths, full))))
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.module.update(own)
+                if saved is not None:
+                    self.module.update(saved)
 
-        trainable = [held[i] for i in parts[0]]
         if self.reshard_after_forward:
             # Free the gathered parameters after the forward pass; the backward
-            # pass runs ``body`` again (gathering again). The trainable shards
-            # are its inputs, so that their gradients flow.
-            return remat(body, trainable, *args, **kwargs)
-        return body(trainable, *args, **kwargs)
+            # pass runs ``body`` again (gathering again). Every trainable array
+            # below this module (those of wrapped modules inside it too) is an
+            # input, so that the recomputation passes gradients to all of them.
+            return remat(body, self.module.trainable_parameters(), *args, **kwargs)
+        return body(None, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         return self._gathered_call(self.module, *args, **kwargs)
 
-    def as_linear(self, *args, **kwargs):
-        """The wrapped embedding's ``as_linear``, with its weight gathered."""
-        return self._gathered_call(self.module.as_linear, *args, **kwargs)
+    def __getattr__(self, key):
+        # What the wrapped module has: its attributes and sub-modules as they
+        # are (a parameter is what this rank holds of it), its own methods
+        # (an embedding's ``as_linear``) called with the parameters gathered.
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = dict.get(self, "module")
+            if inner is None:
+                raise
+        value = getattr(inner, key)
+        if inspect.ismethod(value) and value.__self__ is inner:
+            return functools.partial(self._gathered_call, value)
+        return value
 
 
 def _cut(plan: Plan, arrays: list, rank: int) -> list:
@@ -172,120 +188,14 @@ def _subplan(plan: Plan, indices: list) -> Plan:
     new = {i: j for j, i in enumerate(indices)}
     buckets = []
     for b in plan.buckets:
-        slots = tuple(dataclasses.replace(s, index=new[s.index]) for s in b.slots if s.index in new)
-        if slots:
-            buckets.append(dataclasses.replace(b, index=len(buckets), slots=slots))
+        slots = [dataclasses.replace(s, index=new[s.index]) for s in b.slots if s.index in new]
+        if not slots:
+            continue
+        cols = b.cols
+        if b.by_rows:  # a shard holds its slots' runs end to end: close the dropped ones' gaps
+            cols = 0
+            for j, s in enumerate(slots):
+                slots[j] = dataclasses.replace(s, start=cols)
+                cols += s.rows * row_size(s.shape)
+        buckets.append(dataclasses.replace(b, index=len(buckets), slots=tuple(slots), cols=cols))
     return Plan(plan.world_size, plan.communication_size, tuple(buckets))
-
-
-def fully_shard(module: nn.Module, *, group: Optional[mx.distributed.Group] = None,
-                compute_dtype: Optional[mx.Dtype] = None,
-                reduce_dtype: Optional[mx.Dtype] = None,
-                communication_size: Optional[int] = None,
-                reshard_after_forward: bool = False,
-                placement=None,
-                communication_stream: Optional[mx.Stream] = None) -> nn.Module:
-    """Split the parameters of ``module`` over the ranks of ``group`` (ZeRO-3).
-
-    A drop-in for ``mlx.nn.fully_shard``: the same call, the wrapped module
-    under ``"module"`` in the parameter tree, and after ``nn.value_and_grad``
-    each parameter's gradient is this rank's axis-0 slice of the gradient
-    averaged over the ranks, as data parallelism averages it. Unlike MLX's,
-    it runs on every backend (ring and MPI through the reduce-scatter of
-    :mod:`mlx_fsdp.collectives`), takes any parameter (axis 0 not divisible by
-    N, 1-D, scalars, mixed dtypes: the last ranks hold fewer rows, possibly
-    none), groups its collectives into buckets of ``communication_size``
-    bytes, and keeps the matrices of Muon and Adafactor whole on owner ranks
-    when ``placement`` says so.
-
-    .. code-block:: python
-
-        for i, block in enumerate(model.layers):
-            model.layers[i] = mlx_fsdp.fully_shard(block, reshard_after_forward=True)
-        model = mlx_fsdp.fully_shard(model)       # the rest: embeddings, head
-        opt = mlx_fsdp.fsdp_step(optim.AdamW(learning_rate=3e-4), max_norm=1.0)
-        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
-        opt.update(model, grads)                  # updates the shards where they are
-
-    Calling the wrapper all-gathers the module's parameters (one collective
-    per bucket, once the module's inputs exist), calls the module and puts
-    the shards back. In the backward pass the full gradients are
-    reduce-scattered, one bucket at a time, before the layers in front of the
-    module continue their backward pass, so they are freed as they come.
-    Wrap each transformer block, then the whole model: a block's full
-    parameters exist only while the block runs (and, without
-    ``reshard_after_forward``, until its backward pass). Floating-point
-    parameters are sharded; others (quantized weights) stay whole on every
-    rank. Frozen parameters are gathered too, without a reduce-scatter.
-
-    Args:
-        module (mlx.nn.Module): The module to shard. Every rank must pass the
-            same module (same paths, shapes and dtypes) with the same values.
-        group (mlx.core.distributed.Group, optional): The ranks to shard over.
-            ``None`` means the global group. Default: ``None``.
-        compute_dtype (Dtype, optional): Gather the parameters in this dtype
-            (e.g. ``mx.bfloat16``): the forward and backward pass run in it,
-            the all-gather and reduce-scatter move it, and each rank keeps its
-            shards and their gradients in the parameters' own dtype.
-            Default: ``None`` (the parameters' dtype).
-        reduce_dtype (Dtype, optional): Reduce-scatter the gradients in this
-            dtype, e.g. ``mx.float32`` under a bfloat16 ``compute_dtype``.
-            Default: ``None`` (``compute_dtype``, else the parameters' dtype).
-        communication_size (int, optional): Byte budget of a bucket (one
-            all-gather in the forward pass, one reduce-scatter in the
-            backward pass); ``<= 0`` gives every parameter its own.
-            Default: ``None``: 32 MiB on a GPU, 4 MiB on the CPU, as
-            :func:`mlx_fsdp.fsdp_step`.
-        reshard_after_forward (bool): Free the gathered parameters after the
-            forward pass and gather them again for the backward pass. In MLX
-            that recomputes the module's forward pass in the backward pass,
-            as ``mx.checkpoint`` does (the module's activations are freed as
-            well), so it costs a second all-gather and a second forward pass
-            of the module. Default: ``False``.
-        placement (optional): ``None`` or ``"flat"``: every rank holds its
-            axis-0 slice of every parameter; ``"owner"``: whole parameters on
-            owner ranks; a callable ``(path, shape) -> "flat" | "owner"``; or
-            the optimizer that will train the module, whose needs decide
-            (Muon keeps its matrices whole, Adafactor all its arrays). An
-            optimizer that is not element-wise needs whole arrays:
-            :func:`mlx_fsdp.fsdp_step` refuses to update axis-0 slices with
-            it. Default: ``None``.
-        communication_stream (mlx.core.Stream, optional): Stream of the
-            collectives. Default: ``None``.
-
-    Returns:
-        mlx.nn.Module: The :class:`FullyShardedModule`, or ``module`` itself
-        with one process, for a module already wrapped, or one without
-        floating-point parameters of its own.
-    """
-    _check_arguments(module, group, compute_dtype, reduce_dtype, communication_size,
-                     reshard_after_forward, communication_stream)
-    group = group_or_global(group)
-    if group.size() == 1 or isinstance(module, FullyShardedModule):
-        return module
-    if communication_size is None:
-        communication_size = DEFAULT_SIZE_GPU if mx.default_device() == mx.gpu else DEFAULT_SIZE_CPU
-    wrapped = FullyShardedModule(
-        module, group=group, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-        communication_size=communication_size, reshard_after_forward=reshard_after_forward,
-        placement=placement, communication_stream=communication_stream)
-    return wrapped if wrapped._paths else module
-
-
-def _check_arguments(module, group, compute_dtype, reduce_dtype, communication_size,
-                     reshard_after_forward, communication_stream):
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"module={module!r} is not an mlx.nn.Module; pass the layer or model "
-                         "whose parameters to shard.")
-    check_group("group", group)
-    check_dtype("compute_dtype", compute_dtype)
-    check_dtype("reduce_dtype", reduce_dtype)
-    if communication_size is not None and (not isinstance(communication_size, int)
-                                           or isinstance(communication_size, bool)):
-        raise ValueError(f"communication_size={communication_size!r} must be an int number of "
-                         "bytes (<= 0 gives every parameter its own bucket), or None.")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or False.")
-    if communication_stream is not None and not isinstance(communication_stream, mx.Stream):
-        raise ValueError(f"communication_stream={communication_stream!r} must be an mx.Stream, "
-                         "e.g. mx.new_stream(mx.default_device()), or None.")

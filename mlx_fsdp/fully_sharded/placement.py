@@ -42,11 +42,3 @@ def placement_of(placement, flat: List[Tuple[str, mx.array]]) -> Dict[str, str]:
         _placement.check_rule(placement, "placement")
         chosen = _placement.placements([placement], flat, [0] * len(flat))
     return {p: OWNER if c == OWNER else ROWS for (p, _), c in zip(flat, chosen)}
-
-
-def needs_whole(optimizer, placement, flat: List[Tuple[str, mx.array]]) -> List[str]:
-    """The paths the optimizer must update whole (its ``"owner"`` arrays)."""
-    rules = _placement.resolve(optimizer, placement)
-    chosen = _placement.placements(rules, flat, _placement.assign_optimizers(flat, optimizer))
-    return [p for (p, _), c in zip(flat, chosen) if c == OWNER]
-

@@ -36,6 +36,22 @@ def latest(directory: str) -> Optional[str]:
     return os.path.join(directory, max(found)[1]) if found else None
 
 
+def fully_sharded_directory(directory: Optional[str], rank: int) -> None:
+    """The checkpoint directory of a run with ``fully_shard``: none, for now.
+
+    ``save_checkpoint`` does not gather the shards of a fully sharded model
+    yet: it would store rank 0's part of each parameter as the weights. So
+    such a run saves no sharded checkpoint (rank 0 says so once) and cannot
+    resume (:func:`mlx_fsdp.lm.sharding.check_options` refuses it);
+    ``adapters.safetensors`` and the model directory hold the whole weights.
+    """
+    if directory and rank == 0:
+        print(f"No sharded checkpoint will be saved to {directory}: not supported with "
+              "--fully-shard yet (adapters.safetensors holds the whole trained weights).",
+              flush=True)
+    return None
+
+
 def save(directory: str, model, optimizer, position: dict, settings: dict) -> str:
     """Save a checkpoint of ``model`` and ``optimizer`` at ``position["iteration"]``.
 

@@ -7,14 +7,15 @@ from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..ddp import ddp_step
 from ..fsdp import fsdp_step
+from ..fully_sharded.model import sharded_modules
 from ..wrapper import DistributedOptimizer
 from . import checkpoints
 from .hooks import trainer_all_reduce_removed
 from .position import ResumableBatches
+from .sharding import check_options, shard_model, trainable_weights, unshard_model
 
 
 def _wrap(optimizer, fsdp: bool, options: dict):
@@ -118,7 +119,10 @@ def _trim_log(path: str, start: int):
 def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
     """Write the trainable parameters as mlx-lm does: ``adapters.safetensors``, and a numbered copy.
 
-    Call on one rank.
+    Rank 0 writes. Call it on every rank, or on rank 0 alone for a model
+    without :func:`mlx_fsdp.fully_shard`: a fully sharded model's parameters
+    are gathered (a collective), and written whole under the paths of the
+    model without ``fully_shard``.
 
     Args:
         adapter_file (str): mlx-lm's ``adapter_file`` (``.../adapters.safetensors``).
@@ -126,7 +130,9 @@ def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
         iteration (int, optional): Also write ``{iteration:07d}_adapters.safetensors``
             next to it. Default: ``None``.
     """
-    weights = dict(tree_flatten(model.trainable_parameters()))
+    weights = trainable_weights(model)
+    if mx.distributed.init().rank():
+        return
     mx.save_safetensors(str(adapter_file), weights)
     if iteration is not None:
         numbered = os.path.join(os.path.dirname(str(adapter_file)),
@@ -136,6 +142,7 @@ def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
 
 def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=None,
           iterate_batches=None, training_callback=None, *, fsdp: bool = True,
+          fully_shard: bool = False, reshard_after_forward: bool = False,
           accumulation: str = "local", checkpoint_dir: Optional[str] = None,
           resume: bool = False, log_file: Optional[str] = None, **options):
     """``mlx_lm.tuner.trainer.train`` with a sharded optimizer, checkpoints and resume.
@@ -162,6 +169,15 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             ``mlx.optimizers`` optimizer, or a wrapper.
         fsdp (bool): Shard the optimizer (``fsdp_step``); ``False`` replicates
             it (``ddp_step``). Default: ``True``.
+        fully_shard (bool): Also shard the parameters: wrap each block of
+            ``model.layers``, then the model, with :func:`mlx_fsdp.fully_shard`
+            for the run (see :mod:`mlx_fsdp.lm.sharding`); at the end every
+            rank gets the whole trained parameters back in ``model``, unwrapped.
+            Needs ``fsdp``. Default: ``False``.
+        reshard_after_forward (bool): With ``fully_shard``: free each block's
+            gathered parameters after its forward pass and recompute the
+            block in the backward pass. ``args.grad_checkpoint`` implies it
+            with ``fully_shard``. Default: ``False``.
         accumulation (str): With ``args.grad_accumulation_steps > 1``:
             ``"local"`` lets mlx-lm's trainer sum full gradients and hand the
             optimizer their mean every k-th micro-batch; ``"sharded"`` hands
@@ -179,14 +195,16 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             ``communication_size``, ``master_dtype``, ...).
 
     Raises:
-        ValueError: If checkpoints would fall between the micro-batches of an
-            accumulated step, if ``resume`` finds no checkpoint, or if the
-            checkpoint is past ``args.iters`` or was saved with another batch
-            size or accumulation.
+        ValueError: If ``fully_shard`` is asked without ``fsdp`` or with
+            ``resume``, if checkpoints would fall between the micro-batches
+            of an accumulated step, if ``resume`` finds no checkpoint, or if
+            the checkpoint is past ``args.iters`` or was saved with another
+            batch size or accumulation.
     """
     from mlx_lm.tuner import trainer
 
     args = args if args is not None else trainer.TrainingArgs()
+    check_options(fsdp, fully_shard, reshard_after_forward, resume)
     settings = {k: getattr(args, k) for k in checkpoints.ORDER_SETTINGS}
     every = args.steps_per_save
     if checkpoint_dir and every % args.grad_accumulation_steps:
@@ -205,6 +223,16 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         options = dict(options, grad_accumulation_steps=k, accumulation="sharded")
     wrapped = _wrap(optimizer, fsdp, options)
     rank = mx.distributed.init().rank()
+    plain_model = model
+    if fully_shard:
+        # mlx-lm's grad_checkpoint would leave gathered parameters in the blocks
+        # when it recomputes them; reshard_after_forward is the same recomputation.
+        model = shard_model(model, communication_size=options.get("communication_size"),
+                            reshard_after_forward=reshard_after_forward or args.grad_checkpoint)
+        args = dataclasses.replace(args, grad_checkpoint=False)
+    if sharded_modules(model):  # sharded here, or by the caller
+        check_options(fsdp, True, reshard_after_forward, resume)
+        checkpoint_dir = checkpoints.fully_sharded_directory(checkpoint_dir, rank)
 
     start, position = 0, None
     if resume:
@@ -224,10 +252,12 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         if rank == 0:
             print(f"Resumed from {path} (iteration {start} of {args.iters})", flush=True)
 
-    def save(iteration: int):
-        if iteration % every == 0 and rank == 0:
-            save_adapters(args.adapter_file, model, iteration)
-        if checkpoint_dir:
+    def save(iteration: int, final: bool = False):
+        # At the end also off --save-every's iterations: the trainer's own final
+        # file would hold this rank's shards of a fully sharded model.
+        if iteration % every == 0 or final:
+            save_adapters(args.adapter_file, model, iteration if iteration % every == 0 else None)
+        if checkpoint_dir and (iteration % every == 0 or iteration % k == 0):
             path = checkpoints.save(checkpoint_dir, model, wrapped, batches.position(), settings)
             if rank == 0:
                 print(f"Saved checkpoint {path}", flush=True)
@@ -253,6 +283,6 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             iterate_batches=batches,
             training_callback=_Reports(training_callback, start, log_file, rank),
         )
-    end = args.iters
-    if end > start and (end % every == 0 or end % k == 0):
-        save(end)
+    if args.iters > start:
+        save(args.iters, final=True)
+    unshard_model(model, plain_model)

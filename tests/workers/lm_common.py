@@ -1,4 +1,5 @@
-"""Shared by the lm_* workers: a LoRA model and mlx-lm's own trainer, run in this process."""
+"""Shared by the lm_* workers: a LoRA model and mlx-lm's own trainer, run in this process;
+command lines of several runs."""
 
 import os
 import sys
@@ -19,6 +20,18 @@ from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 from common import max_diff, report  # noqa: E402,F401
 
 ITERS = 8
+
+
+def split_runs(argv) -> list:
+    """``FLAGS [--- FLAGS ...]``: the flags of each run, in order."""
+    runs, flags = [], []
+    for a in list(argv) + ["---"]:
+        if a == "---":
+            runs.append(flags)
+            flags = []
+        else:
+            flags.append(a)
+    return runs
 
 
 def lora_model(model_path: str):

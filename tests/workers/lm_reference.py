@@ -12,20 +12,14 @@ import sys
 
 import mlx.core as mx
 import mlx_lm.lora as lora
+from lm_common import split_runs
 
 from mlx_fsdp.lm.train import _Reports
 
 
 def main():
-    runs, flags = [], []
-    for a in sys.argv[1:] + ["---"]:
-        if a == "---":
-            runs.append(flags)
-            flags = []
-        else:
-            flags.append(a)
     rank = mx.distributed.init().rank()
-    for flags in runs:
+    for flags in split_runs(sys.argv[1:]):
         def reports(report_to=None, project_name=None, log_dir=None, config=None):
             return _Reports(None, 0, os.path.join(log_dir, "losses.jsonl"), rank)
 

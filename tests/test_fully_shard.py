@@ -1,0 +1,160 @@
+"""fully_shard (parameter sharding, ZeRO-3): mlx.nn.fully_shard's contract, exactness, memory.
+
+The references are not ours: ``mlx.nn.average_gradients`` on a plain copy of
+the model, ``ddp_step`` (that plus the plain optimizer), and
+``mlx.nn.fully_shard`` itself where it runs (sum_scatter emulated).
+"""
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mlx_fsdp
+from launch import run_ranks
+from mlx_fsdp import layout, rows
+from mlx_fsdp.fully_sharded.remat import remat
+from mlx_fsdp.plan import ROWS, build_plan
+
+F32_TOL = 1e-5
+BF16_ULP_AT_ONE = 2.0**-7
+
+# optimizer:wrap:reshard:max_norm:k:accumulation:master:bf16 (see workers/fully_shard.py)
+CONFIGS = [
+    "adamw:blocks:0:-1:1:local:0:1",      # every layer, then the root; a bfloat16 layer
+    "adamw:blocks:1:0.5:1:local:0:1",     # reshard_after_forward (nested), clipping
+    "muon:blocks:0:0.5:1:local:0:0",      # Muon's matrices whole on owners (placement=opt)
+    "adafactor:blocks:1:-1:1:local:0:0",  # every array whole on an owner
+    "sgd:root:0:-1:2:local:0:0",          # the whole model once; local accumulation
+    "adam:part:1:0.5:3:sharded:0:0",      # two layers wrapped, the rest the step's buckets
+    "lion:blocks:0:-1:1:local:1:1",       # fp32 masters of the bfloat16 layer's shards
+    "multi:blocks:1:-1:2:sharded:0:0",    # schedules, two sub-optimizers, accumulation
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_fully_sharded_training_matches_ddp_step(n):
+    results = run_ranks(n, "fully_shard.py", [5, *CONFIGS], timeout=300)
+    assert [r["config"] for r in results] == CONFIGS
+    for r in results:
+        assert r["steps"] == 5, r
+        assert r["f32"] <= F32_TOL and r["bf16"] <= BF16_ULP_AT_ONE, r
+        assert r["loss_diff"] <= F32_TOL, r
+        if n == 1:  # fully_shard leaves the model as it is: the plain optimizer
+            assert r["sharded_buckets"] == 0 and r["params_ratio"] == 1.0, r
+            continue
+        assert r["sharded_buckets"] >= 1, r
+        wrapped = r["config"].split(":")[1]
+        assert (r["other_buckets"] > 0) == (wrapped == "part"), r
+        if r["config"].startswith(("adamw", "lion", "sgd")):
+            # 1/N of the parameters and of the optimizer state, plus padding rows
+            assert r["max_params_ratio"] <= 1 / n + 0.06, r
+            assert r["state_ratio"] <= 1 / n + 0.06, r
+
+
+@pytest.mark.parametrize("n, backend", [(2, "ring"), (3, "mpi")])
+def test_gradients_are_axis0_slices_of_the_averaged_gradients(n, backend):
+    (r,) = run_ranks(n, "fully_shard_contract.py", backend=backend)
+    assert r["f32"] <= 1e-6 and r["f32_dtypes"] == ["mlx.core.float32"], r
+    # compute_dtype=bfloat16: reduced in bfloat16, returned in the shards' float32
+    assert r["bf16"] <= BF16_ULP_AT_ONE and r["bf16_dtypes"] == ["mlx.core.float32"], r
+    assert r["paths"] == ["module.blocks.0.module.bias", "module.blocks.0.module.weight",
+                          "module.blocks.1.module.bias", "module.blocks.1.module.weight",
+                          "module.embed.weight", "module.gain", "module.head.bias",
+                          "module.head.weight"], r
+
+
+@pytest.mark.parametrize("n, backend", [(2, "ring"), (3, "mpi")])
+def test_same_result_as_mlx_fully_shard_through_native_sum_scatter(n, backend):
+    # sum_scatter emulated on ring and MPI: mlx.nn.fully_shard runs, and ours
+    # takes the native path (the layout NCCL and JACCL get)
+    (r,) = run_ranks(n, "fully_shard_contract.py", backend=backend,
+                     env={"MLX_FSDP_TEST_EMULATE_SUM_SCATTER": "1"})
+    assert r["method"] == "native", r
+    assert r["mlx_same_paths"] and r["mlx_loss"] == 0.0 and r["mlx_grads"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("n, backend", [(2, "ring"), (3, "mpi")])
+def test_gathered_parameters_do_not_outlive_their_blocks_backward_pass(n, backend):
+    (r,) = run_ranks(n, "fully_shard_memory.py", [12, 512], backend=backend)
+    # The gradients' shards, the gathered parameters and full gradients of a
+    # few blocks, the activations. Twelve blocks' gathered parameters kept
+    # alive (a leak, or every block gathered at once) add 12 MiB.
+    assert r["peak_above_params"] <= r["grads"] + 4 * r["block"] + r["activations"], r
+    assert r["held"] <= (12 * r["block"]) / n + 12 * 2048, r
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("shape", [(23, 7), (7,), (), (3, 2, 5), (1, 4), (0, 3)])
+def test_rows_layout_round_trip(n, shape):
+    """Each rank holds its axis-0 slice; packing, gathering and cutting give the arrays back."""
+    sig = (("a", shape, "float32", "float32", 0, ROWS), ("b", (5, 3), "float32", "float32", 0, ROWS))
+    plan = build_plan(sig, n, 1 << 20)
+    (bucket,) = plan.buckets
+    arrays = [mx.array(np.random.default_rng(0).normal(size=shape).astype(np.float32)),
+              mx.arange(15, dtype=mx.float32).reshape(5, 3)]
+    vector = layout.pack(bucket, arrays, n)
+    assert vector.size == n * bucket.cols
+    for r in range(n):
+        shard = vector[r * bucket.cols:(r + 1) * bucket.cols]
+        for (s, cut), (_, held) in zip(layout.held(bucket, shard, r), layout.held_of(bucket, arrays, r)):
+            lo, hi = rows.held_rows(s.shape, s.rows, r)
+            want = np.array(arrays[s.index])[lo:hi] if s.shape else np.array(arrays[s.index])
+            assert cut.shape == held.shape == want.shape == layout.held_shape(bucket, s, r)
+            assert np.array_equal(np.array(cut), want) and np.array_equal(np.array(held), want)
+        parts = layout.held_parts(bucket, {s.index: a for s, a in layout.held_of(bucket, arrays, r)}, r)
+        assert np.array_equal(np.array(mx.concatenate(parts)), np.array(shard))
+    for a, b in zip(arrays, layout.unpack(bucket, vector)):
+        assert a.shape == b.shape and np.array_equal(np.array(a), np.array(b))
+
+
+def test_one_process_leaves_the_module_as_it_is():
+    layer = nn.Linear(3, 5)
+    assert mlx_fsdp.fully_shard(layer, reshard_after_forward=True) is layer
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(compute_dtype=mx.int32), "compute_dtype=mlx.core.int32 must be a floating"),
+    (dict(reduce_dtype="bf16"), "reduce_dtype='bf16' must be a floating"),
+    (dict(communication_size=1.5), "communication_size=1.5 must be an int"),
+    (dict(reshard_after_forward=1), "reshard_after_forward=1 must be True or False"),
+    (dict(group=4), "group=4 is not an mx.distributed.Group"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        mlx_fsdp.fully_shard(nn.Linear(3, 5), **kwargs)
+
+
+def test_fully_shard_needs_a_module():
+    with pytest.raises(ValueError, match="is not an mlx.nn.Module"):
+        mlx_fsdp.fully_shard({"w": mx.zeros((3,))})
+
+
+def test_remat_gives_the_gradients_of_the_function():
+    def block(w, x, scale=2.0):
+        return (mx.tanh(x @ w) * scale).sum()
+
+    w, x = mx.random.normal((4, 4), key=mx.random.key(0)), mx.random.normal((3, 4), key=mx.random.key(1))
+    want = mx.grad(block, argnums=(0, 1))(w, x)
+    got = mx.grad(lambda w, x: remat(block, w, x, scale=2.0), argnums=(0, 1))(w, x)
+    for a, b in zip(want, got):
+        assert mx.allclose(a, b, atol=1e-6)
+
+
+ERRORS = {
+    "muon_rows": "ValueError: 'module.layers.0.weight' must be updated whole .* Pass the "
+                 r"optimizer to fully_shard: fully_shard\(module, placement=optimizer\)",
+    "ddp": "ValueError: This model is fully sharded .* Use mlx_fsdp.fsdp_step",
+    "mismatch": "RankMismatch: The ranks disagree in fully_shard: plan: rank 0 [0-9a-f]+, "
+                "rank 1 [0-9a-f]+.* Wrap the same modules with the same arguments on every rank",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_what_cannot_work_is_refused_on_every_rank(case):
+    code, out = run_ranks(2, "fully_shard_errors.py", [case], timeout=120, expect_failure=True)
+    assert code == 0 and "NO ERROR" not in out, out
+    for rank in range(2):
+        assert re.search(f"rank {rank}: {ERRORS[case]}", out), out
