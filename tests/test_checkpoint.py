@@ -355,13 +355,13 @@ def test_rebuild_reads_every_format_and_version_1_manifests(tmp_path):
     mlx_fsdp.save_checkpoint(str(tmp_path / "ck"), model, opt)
     path = str(tmp_path / "ck" / "manifest.json")
     m = json.load(open(path))
-    for version, ok in ((1, True), (4, False)):
+    for version, ok in ((1, True), (5, False)):
         m["format_version"] = version
         json.dump(m, open(path, "w"))
         if ok:
             assert read_manifest(str(tmp_path / "ck"))["format_version"] == 1
         else:
-            with pytest.raises(CheckpointError, match="format_version=4; this mlx_fsdp reads versions 1, 2, 3"):
+            with pytest.raises(CheckpointError, match="format_version=5; this mlx_fsdp reads versions 1, 2, 3, 4"):
                 read_manifest(str(tmp_path / "ck"))
 
 

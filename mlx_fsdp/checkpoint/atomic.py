@@ -17,7 +17,7 @@ rename), and the link itself stays as it is.
 
 import os
 import shutil
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -38,19 +38,22 @@ def side_paths(path: str) -> Tuple[str, str, str]:
 
 
 def gather_status(
-    group: mx.distributed.Group, ok: bool, shard: int = -1, digest: str = ""
-) -> List[Tuple[bool, int, str]]:
-    """All ranks' ``(ok, shard written or -1, its sha256)``: a barrier carrying results.
+    group: mx.distributed.Group, ok: bool, shard: int = -1, digests: Sequence[str] = ("",)
+) -> List[Tuple[bool, int, List[str]]]:
+    """All ranks' ``(ok, shard written or -1, the sha256 of its files)``: a barrier
+    carrying results.
 
-    Every rank of ``group`` must call it at the same point.
+    Every rank of ``group`` must call it at the same point, with as many
+    ``digests`` (``""`` for a file it did not write).
     """
-    data = bytes.fromhex(digest) if digest else bytes(32)
+    data = b"".join(bytes.fromhex(d) if d else bytes(32) for d in digests)
     local = mx.array([int(ok), shard] + list(data), dtype=mx.int32)
     if group.size() == 1:
         rows = [local.tolist()]
     else:
         rows = mx.distributed.all_gather(local[None], group=group).tolist()
-    return [(bool(r[0]), r[1], bytes(r[2:]).hex()) for r in rows]
+    return [(bool(r[0]), r[1], [bytes(r[i:i + 32]).hex() for i in range(2, len(r), 32)])
+            for r in rows]
 
 
 def fsync_dir(path: str):

@@ -2,7 +2,8 @@
 
 Keys of the consolidated safetensors file:
 
-* ``model.{path}``: the model parameters, e.g. ``model.layers.0.weight``;
+* ``model.{path}``: the model parameters, whole, under their plain paths
+  (those of the model without ``fully_shard``), e.g. ``model.layers.0.weight``;
 * ``optimizer.{key}``: the optimizer state exactly as ``tree_flatten`` names a
   plain MLX optimizer's state, e.g. ``optimizer.step``,
   ``optimizer.learning_rate``, ``optimizer.layers.0.weight.m``; for a

@@ -4,16 +4,20 @@
 and dtypes) with what a :func:`~mlx_fsdp.checkpoint.schema.validate`-d
 manifest lists, so that a file that lacks an array or holds it in another
 shape raises a :class:`~mlx_fsdp.checkpoint.manifest.CheckpointError` naming
-the file and the key, not a reshape error deep inside the load.
+the file and the key, not a reshape error deep inside the load. The model
+shard files (format 4) are checked like the optimizer entries.
 """
 
+import math
 from typing import Dict, List
 
-from .manifest import CheckpointError, master_key, scalar_key, shard_file, state_key
+from .manifest import (CheckpointError, master_key, model_shard_file, scalar_key, shard_file,
+                       state_key)
 
 
 def stored_weights(manifest: dict) -> List[str]:
-    """The model parameters that the model file holds (all, or the trainable ones)."""
+    """The model parameters the checkpoint stores (all, or the trainable ones), in the
+    model file or (format 4) the model shard files."""
     model = manifest["model"]
     if model.get("weights", "all") == "trainable":
         return list(model["stored"])
@@ -41,38 +45,43 @@ def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
                 f"manifest says {tuple(shape)} {dtype}; the checkpoint is inconsistent.")
 
     model = manifest["model"]
-    stored = stored_weights(manifest)
-    extra = sorted(set(headers[model["file"]]) - set(stored))
+    in_shards = model.get("shards", {})
+    in_file = [p for p in stored_weights(manifest) if p not in in_shards]
+    extra = sorted(set(headers[model["file"]]) - set(in_file))
     if extra:
         raise CheckpointError(f"{model['file']} holds '{extra[0]}', which the manifest does not "
                               "list; the checkpoint is inconsistent.")
-    for path in stored:
+    for path in in_file:
         info = model["parameters"][path]
         expect(model["file"], path, info["shape"], info["dtype"])
     num_shards = manifest["plan"]["world_size"]
     shards = [shard_file(r, num_shards) for r in range(num_shards)]
 
-    def entry(key: str, e: dict, p: dict):
+    def entry(key: str, e: dict, size: int, cols: int = 0, files=shards):
         if e["kind"] == "whole":
-            expect(shards[e["source"]], key, e["shape"], e["dtype"])
+            expect(files[e["source"]], key, e["shape"], e["dtype"])
         elif e["kind"] == "flat":
-            for name in shards:
-                expect(name, key, [p["cols"]], e["dtype"])
+            for name in files:
+                expect(name, key, [cols], e["dtype"])
         else:
             held = 0
             for r in e["ranks"]:
-                shape = headers[shards[r]].get(key, {}).get("shape", [0])
+                shape = headers[files[r]].get(key, {}).get("shape", [0])
                 if len(shape) != 1:
                     raise CheckpointError(
-                        f"{shards[r]} holds '{key}' as {tuple(shape)}, but a piece is 1-D; the "
+                        f"{files[r]} holds '{key}' as {tuple(shape)}, but a piece is 1-D; the "
                         "checkpoint is inconsistent.")
-                expect(shards[r], key, shape, e["dtype"])
+                expect(files[r], key, shape, e["dtype"])
                 held += shape[0]
-            if held != p["size"]:
+            if held != size:
                 raise CheckpointError(
-                    f"The pieces of '{key}' in {', '.join(shards[r] for r in e['ranks'])} hold "
-                    f"{held} elements, but the manifest says {p['size']}; the checkpoint is "
+                    f"The pieces of '{key}' in {', '.join(files[r] for r in e['ranks'])} hold "
+                    f"{held} elements, but the manifest says {size}; the checkpoint is "
                     "inconsistent.")
+
+    model_files = [model_shard_file(r, num_shards) for r in range(num_shards)]
+    for path, e in in_shards.items():
+        entry(path, e, math.prod(e["shape"]), files=model_files)
 
     params = {}
     for k, section in enumerate(manifest["optimizers"]):
@@ -83,6 +92,6 @@ def check_contents(manifest: dict, headers: Dict[str, dict]) -> None:
         for path, p in section["parameters"].items():
             params[path] = p
             for name, e in p["entries"].items():
-                entry(state_key(k, path, name), e, p)
+                entry(state_key(k, path, name), e, p["size"], p.get("cols", 0))
     for path, e in manifest.get("master", {}).items():
-        entry(master_key(path), e, params[path])
+        entry(master_key(path), e, params[path]["size"], params[path].get("cols", 0))

@@ -39,7 +39,12 @@ def load_checkpoint(path: str, model, opt) -> dict:
     The optimizer state of every parameter is rebuilt whole from the shards
     and cut again for ``opt``: an :func:`~mlx_fsdp.fsdp_step` wrapper at any
     world size and any ``communication_size``, a :func:`~mlx_fsdp.ddp_step`
-    wrapper, or a plain MLX optimizer (its usual state layout). The step count
+    wrapper, or a plain MLX optimizer (its usual state layout). So are the
+    weights of a fully sharded model (:func:`~mlx_fsdp.fully_shard`): each
+    rank keeps what its modules hold. Parameters are matched by their plain
+    paths (without the ``"module"`` keys of ``fully_shard``), so a checkpoint
+    of a fully sharded model loads into the model without ``fully_shard`` (one
+    process, ``ddp_step``) and the other way round. The step count
     and the learning rate are part of the state and carry over, so a schedule
     continues where it was; the other hyper-parameters are those of ``opt``.
     Every rank must call it, at the same point and with the same ``path``. A
@@ -50,9 +55,10 @@ def load_checkpoint(path: str, model, opt) -> dict:
     Args:
         path (str): The checkpoint directory (it may be a symbolic link to one).
         model (mlx.nn.Module): A model with the same parameter paths, shapes
-            and dtypes; its weights are replaced.
-        opt: The optimizer, of the same class as the saved one; its state is
+            and dtypes (wrapped by ``fully_shard`` or not); its weights are
             replaced.
+        opt: The optimizer, of the same class as the saved one; its state is
+            replaced. For a fully sharded model, its ``fsdp_step`` wrapper.
 
     Returns:
         dict: The manifest (``manifest["user"]`` holds ``metadata`` given to
@@ -62,7 +68,8 @@ def load_checkpoint(path: str, model, opt) -> dict:
         CheckpointError: naming what is wrong: a malformed manifest field, a
             missing, truncated or altered file, a different model, a
             different optimizer class, state that cannot be cut for ``opt``.
-        ValueError: Between micro-batches of gradient accumulation.
+        ValueError: Between micro-batches of gradient accumulation, or for a
+            fully sharded model without its ``fsdp_step`` wrapper.
         mlx_fsdp.control.RankMismatch: On the ranks that could load, when
             another could not, or when the ranks differ in the path or in the
             layout ``opt`` needs (e.g. ``communication_size``).

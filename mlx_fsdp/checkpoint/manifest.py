@@ -6,6 +6,12 @@ A checkpoint is a directory::
     model.safetensors                          the model's parameters (rank 0)
     optimizer-00000-of-00002.safetensors       shard 0 of the optimizer state
     optimizer-00001-of-00002.safetensors       shard 1 ...
+    model-00000-of-00002.safetensors           shard 0 of a fully sharded model's
+    model-00001-of-00002.safetensors           parameters (format 4) ...
+
+Parameters are named by their plain paths, those of the model without
+:func:`mlx_fsdp.fully_shard` (no ``"module"`` keys), so that a checkpoint
+loads into the model wrapped in any way, or not at all.
 
 Keys inside the optimizer files (``k`` is the sub-optimizer index, 0 unless
 the optimizer is a ``MultiOptimizer``):
@@ -18,6 +24,10 @@ the optimizer is a ``MultiOptimizer``):
   ``learning_rate``);
 * ``master/{path}``: the fp32 master copy of the parameter, laid out like
   the optimizer entries.
+
+Keys inside the model files are the parameters' paths: in ``model.safetensors``
+whole arrays, in a model shard file what that rank holds, laid out like the
+optimizer entries (the manifest's ``model.shards``).
 
 Everything here is plain Python and JSON so that the format can be read,
 checked and explained without the rest of the package.
@@ -35,10 +45,14 @@ FORMAT = "mlx_fsdp-checkpoint"
 #: of kind "pieces": no per-array padding). Version 2 split every array over
 #: every rank, zero-padded, and added each flat entry's element ``order``;
 #: version 1 had row order throughout. Version 3 also adds ``model.weights``
-#: (``"trainable"``: a model file with only the trained parameters). All three
-#: are read; older readers refuse newer versions.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+#: (``"trainable"``: a model file with only the trained parameters). Version 4
+#: adds ``model.shards``: parameters of a fully sharded model stored as what
+#: each rank holds, in the model shard files. A checkpoint is written in the
+#: oldest version that describes it (4 only with model shards), so that
+#: older readers read what they can; they refuse newer versions.
+FORMAT_VERSION = 4
+VERSION_WITHOUT_MODEL_SHARDS = 3
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 
@@ -54,7 +68,9 @@ LAYOUT_NOTE = (
     "in the file of shard `source`. Top-level optimizer state is 'scalars/{k}/{name}' "
     "in shard file 0; fp32 master weights (if listed under 'master') are "
     "'master/{path}', laid out like the entries. Model weights are in "
-    "model.safetensors, keyed by path."
+    "model.safetensors, keyed by path, except those listed under model.shards: laid out "
+    "like the entries, under key '{path}' of the files model-RRRRR-of-NNNNN.safetensors. "
+    "Paths are plain: without the 'module' keys that mlx_fsdp.fully_shard adds."
 )
 
 
@@ -65,6 +81,11 @@ class CheckpointError(ValueError):
 def shard_file(rank: int, num_shards: int) -> str:
     """The file name of shard ``rank`` of ``num_shards``."""
     return f"optimizer-{rank:05d}-of-{num_shards:05d}.safetensors"
+
+
+def model_shard_file(rank: int, num_shards: int) -> str:
+    """The file name of what rank ``rank`` of ``num_shards`` holds of a fully sharded model."""
+    return f"model-{rank:05d}-of-{num_shards:05d}.safetensors"
 
 
 def state_key(k: int, path: str, name: str) -> str:

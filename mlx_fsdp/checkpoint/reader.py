@@ -16,11 +16,10 @@ from typing import Dict, Tuple
 import mlx.core as mx
 
 from . import contents, schema
-from .layout import rebuild
+from .layout import rebuild, rebuild_weights
 from .manifest import (
     FORMAT,
     MANIFEST,
-    MODEL_FILE,
     READABLE_VERSIONS,
     CheckpointError,
     read_header,
@@ -157,8 +156,8 @@ def read_checkpoint(path: str):
     """A checked checkpoint's manifest and whole arrays (not yet evaluated).
 
     Returns:
-        tuple: ``(manifest, model weights {path: array}, states, scalars,
-        master)``, the last three as :func:`.layout.rebuild` returns them.
+        tuple: ``(manifest, model weights {plain path: whole array}, states,
+        scalars, master)``, the last three as :func:`.layout.rebuild` returns them.
 
     Raises:
         CheckpointError: Naming the first problem with the manifest or the files.
@@ -166,9 +165,10 @@ def read_checkpoint(path: str):
     manifest, files = open_checkpoint(path)
     try:
         states, scalars, master = rebuild(manifest, files)
+        weights = rebuild_weights(manifest, files)
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise CheckpointError(
             f"The checkpoint {path} does not match its manifest; rebuilding the optimizer "
-            f"state failed ({type(e).__name__}: {e})."
+            f"state or the model failed ({type(e).__name__}: {e})."
         ) from None
-    return manifest, files[MODEL_FILE], states, scalars, master
+    return manifest, weights, states, scalars, master

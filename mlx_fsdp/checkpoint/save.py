@@ -1,5 +1,9 @@
 """``save_checkpoint``: every rank writes what it holds; the whole appears at once.
 
+What it holds is its shard of the optimizer state and, of a fully sharded
+model (:func:`mlx_fsdp.fully_shard`), its shard of the parameters; rank 0
+also writes the parameters that every rank holds whole (:mod:`.weights`).
+
 It starts with one cross-rank agreement (:func:`.internals.agree`): every rank
 must call it at the same point, with the same path, and a rank that calls it
 alone, or with another path, gets an error instead of a hang. The ranks then
@@ -16,26 +20,30 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..fully_sharded.full import plain_paths
 from ..options import group_or_global
 from ..placement import sub_optimizers
 from ..plan import dtype_name
 from . import atomic
 from .internals import agree, save_layout, watched
-from .layout import arrays_to_save, describe_state, is_sharded, split_optimizer
+from .layout import arrays_to_save, describe_state, is_sharded, plain_plan, split_optimizer
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     LAYOUT_NOTE,
     MANIFEST,
     MODEL_FILE,
+    VERSION_WITHOUT_MODEL_SHARDS,
     class_names,
     describe_optimizer,
+    model_shard_file,
     read_header,
     sha256_file,
     shard_file,
     write_json,
 )
 from .schema import WEIGHTS
+from .weights import describe_parameters, fully_sharded_problem, weights_to_save
 
 
 def _write(file: str, arrays: dict):
@@ -68,8 +76,11 @@ def _step(optimizer) -> int:
     return int(sub_optimizers(optimizer)[0].state["step"].item())
 
 
-def _save_problem(wrapper, metadata, weights, target: str) -> str:
+def _save_problem(model, wrapper, metadata, weights, target: str) -> str:
     """Why this save cannot be done ("" if it can); every rank compares it before any raises."""
+    problem = fully_sharded_problem(model, wrapper.group.size() if is_sharded(wrapper) else None)
+    if problem:
+        return problem
     if weights not in WEIGHTS:
         return (f"weights={weights!r} must be 'all' (every parameter of the model) or "
                 "'trainable' (only model.trainable_parameters(), e.g. LoRA adapters over a "
@@ -104,23 +115,26 @@ def _stored(model, plan, weights: str) -> dict:
 
 
 def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metadata,
-              stored) -> dict:
+              stored, shards) -> dict:
     from .. import __version__
 
     headers = [read_header(os.path.join(tmp, shard_file(r, plan.world_size)))
                for r in range(plan.world_size)]
-    states, master = describe_state(plan, optimizer, headers, sharded)
-    params = tree_flatten(model.parameters())
+    names = plain_paths(model)
+    states, master = describe_state(plan, optimizer, headers, sharded, names)
+    params = describe_parameters(model)
     model_info = {
         "file": MODEL_FILE,
         "weights": "all" if len(stored) == len(params) else "trainable",
-        "parameters": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in params},
+        "parameters": params,
     }
     if model_info["weights"] == "trainable":
-        model_info["stored"] = list(stored)
+        model_info["stored"] = [names[p] for p in stored]
+    if shards:
+        model_info["shards"] = shards
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if shards else VERSION_WITHOUT_MODEL_SHARDS,
         "mlx_fsdp_version": __version__,
         "mlx_version": mx.__version__,
         "created_unix": int(time.time()),
@@ -132,7 +146,7 @@ def _manifest(model, optimizer, wrapper, plan, sharded, world, tmp, files, metad
         "optimizer": describe_optimizer(optimizer),
         "optimizers": states,
         "master": master,
-        "plan": plan.to_dict(),
+        "plan": plain_plan(plan, names),
         "model": model_info,
         "files": files,
         "user": metadata,
@@ -147,8 +161,11 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     starts by checking that across ranks, so a call on some ranks only (``if
     rank == 0: save_checkpoint(...)``) or with different paths raises an
     error instead of hanging. Each shard of the optimizer state is written by
-    its own rank, the model by rank 0, and the directory appears at ``path``
-    only when complete: ranks write into ``.NAME.partial`` next to it, and
+    its own rank and the model by rank 0; of a fully sharded model
+    (:func:`~mlx_fsdp.fully_shard`) each rank writes the part of the
+    parameters it holds, and no rank gathers them. Parameters are stored under
+    their plain paths (without the ``"module"`` keys of ``fully_shard``). The
+    directory appears at ``path`` only when complete: ranks write into ``.NAME.partial`` next to it, and
     rank 0 swaps it in once every rank has succeeded. An existing checkpoint
     at ``path`` is kept until then. If ``path`` is a symbolic link, the
     checkpoint replaces the directory it points to and the link stays. With
@@ -156,9 +173,11 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
 
     Args:
         path (str): The checkpoint directory.
-        model (mlx.nn.Module): The model (the same on every rank).
+        model (mlx.nn.Module): The model (the same on every rank, or the
+            same fully sharded model).
         opt: The optimizer: an :func:`~mlx_fsdp.fsdp_step` or
-            :func:`~mlx_fsdp.ddp_step` wrapper, or a plain MLX optimizer.
+            :func:`~mlx_fsdp.ddp_step` wrapper, or a plain MLX optimizer; for a
+            fully sharded model, the ``fsdp_step`` wrapper that trains it.
         metadata (dict, optional): JSON-able data stored in the manifest under
             ``"user"`` (e.g. the data loader's position). Default: ``None``.
         weights (str): ``"all"`` stores every parameter of the model;
@@ -172,15 +191,16 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
             in ``save_checkpoint`` or differ in the path, the step count, the
             optimizer or the arguments.
         ValueError: On every rank, if ``path`` exists and is not a
-            checkpoint, for a bad ``weights`` or ``metadata``, or between
-            micro-batches of gradient accumulation (``opt.micro_step != 0``).
+            checkpoint, for a bad ``weights`` or ``metadata``, between
+            micro-batches of gradient accumulation (``opt.micro_step != 0``),
+            or for a fully sharded model without its ``fsdp_step`` wrapper.
         RuntimeError: On every rank, if writing failed on any rank.
     """
     optimizer, wrapper = split_optimizer(opt)
     world = group_or_global(None)
     rank = world.rank()
     target = atomic.resolve(path)
-    problem = _save_problem(wrapper, metadata, weights, target)
+    problem = _save_problem(model, wrapper, metadata, weights, target)
     agree(wrapper, world, "save_checkpoint", target, {
         "path": target,
         "step": _step(optimizer),
@@ -190,13 +210,16 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     if problem:
         raise ValueError(problem)
 
-    def status(ok, shard=-1, digest=""):
+    def status(ok, shard=-1, digests=("",)):
         with watched(wrapper, f"save_checkpoint({target})"):
-            return atomic.gather_status(world, ok, shard, digest)
+            return atomic.gather_status(world, ok, shard, digests)
 
     sharded = is_sharded(wrapper)
     plan, shard, writer = save_layout(wrapper, model, optimizer, rank)
-    arrays = arrays_to_save(plan, optimizer, wrapper, sharded) if writer else {}
+    names = plain_paths(model)
+    arrays = arrays_to_save(plan, optimizer, wrapper, sharded, names) if writer else {}
+    stored = _stored(model, plan, weights)
+    whole, pieces, shards = weights_to_save(model, stored)
     _, tmp, _ = atomic.side_paths(target)
 
     error = None
@@ -207,18 +230,20 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
         error = e
     _check_status(status(error is None), error, target, "preparing")
 
-    digest = ""
-    stored = _stored(model, plan, weights)
+    # This rank's files: its optimizer shard, and its model shard if the model has any.
+    names_of = [shard_file] + ([model_shard_file] if shards else [])
+    digests = [""] * len(names_of)
     try:
         if writer:
-            file = os.path.join(tmp, shard_file(shard, plan.world_size))
-            _write(file, arrays)
-            digest = sha256_file(file)
+            for i, (name, contents) in enumerate(zip(names_of, (arrays, pieces))):
+                file = os.path.join(tmp, name(shard, plan.world_size))
+                _write(file, contents)
+                digests[i] = sha256_file(file)
         if rank == 0:
-            _write(os.path.join(tmp, MODEL_FILE), stored)
+            _write(os.path.join(tmp, MODEL_FILE), whole)
     except Exception as e:
         error = e
-    written = status(error is None, shard if writer else -1, digest)
+    written = status(error is None, shard if writer else -1, digests)
     if rank == 0 and not all(ok for ok, _, _ in written):
         atomic.abandon(target)
     _check_status(written, error, target, "writing")
@@ -226,16 +251,16 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     try:
         if rank == 0:
             digests = {}
-            for ok, s, d in written:
+            for ok, s, ds in written:
                 if s >= 0:
-                    digests[shard_file(s, plan.world_size)] = d
+                    digests.update((name(s, plan.world_size), d) for name, d in zip(names_of, ds))
             digests[MODEL_FILE] = sha256_file(os.path.join(tmp, MODEL_FILE))
             digests = {
                 name: {"sha256": d, "bytes": os.path.getsize(os.path.join(tmp, name))}
                 for name, d in sorted(digests.items())
             }
             manifest = _manifest(model, optimizer, wrapper, plan, sharded, world, tmp,
-                                 digests, metadata, stored)
+                                 digests, metadata, stored, shards)
             write_json(os.path.join(tmp, MANIFEST), manifest)
             atomic.commit(target)
     except Exception as e:

@@ -4,7 +4,8 @@ A manifest is plain JSON that anyone can edit, copy half of, or write by
 hand, so nothing in it is trusted: :func:`validate` checks the type, the range
 and the consistency of every field that loading or consolidating reads (the
 plan against the per-optimizer description, the model section against the
-plan, the file list against the number of shards), one section at a time.
+plan, the file list against the number of shards and the model shards), one
+section at a time (the plan and the optimizer description in :mod:`.schema_plan`).
 Each problem raises a :class:`~mlx_fsdp.checkpoint.manifest.CheckpointError`
 that names the field (:mod:`.fields`), e.g. ``manifest field files['../x']:
 ...``, instead of a ``KeyError`` or a reshape error deep inside the load. The
@@ -12,91 +13,27 @@ shard files' headers are checked against the manifest afterwards
 (:mod:`.contents`).
 """
 
+import math
 import re
 from typing import Dict
 
 from .fields import Fields, show
-from .manifest import MODEL_FILE, shard_file
+from .manifest import MODEL_FILE, model_shard_file, shard_file
+from .schema_plan import ORDERS, optimizer_section, plan_section
 
-#: "pieces" (format 3): the entry split over the files of the ranks that hold
-#: it; "flat" (formats 1 and 2): split over every rank, zero-padded; "whole".
+#: "pieces" (formats 3 and 4): the entry split over the files of the ranks
+#: that hold it; "flat" (formats 1 and 2): split over every rank, zero-padded;
+#: "whole". Model shards (format 4) are "pieces" or "whole".
 KINDS = ("pieces", "flat", "whole")
-ORDERS = ("C", "F")
 #: What ``save_checkpoint(weights=...)`` stores of the model (``model.weights``).
 WEIGHTS = ("all", "trainable")
 LAYOUTS = ("sharded", "plain")
 _SHARD = re.compile(r"optimizer-(\d{5,})-of-(\d{5,})\.safetensors")
+_MODEL_SHARD = re.compile(r"model-(\d{5,})-of-(\d{5,})\.safetensors")
 
 
 def _key(where: str, key) -> str:
     return f"{where}[{show(key)}]"
-
-
-def _size(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
-
-
-def _optimizer(f: Fields, desc, where: str) -> int:
-    """The optimizer description; returns how many state sections it needs."""
-    f.dict(desc, where)
-    f.str(f.get(desc, "class", where), f"{where}.class")
-    f.str(f.get(desc, "module", where, optional=True, default="-"), f"{where}.module")
-    f.dict(f.get(desc, "hyperparameters", where, optional=True, default={}),
-           f"{where}.hyperparameters")
-    for i, name in enumerate(f.list(f.get(desc, "scheduled", where, optional=True, default=[]),
-                                    f"{where}.scheduled")):
-        f.str(name, f"{where}.scheduled[{i}]")
-    subs = f.get(desc, "sub_optimizers", where, optional=True)
-    if subs is None:
-        return 1
-    f.list(subs, f"{where}.sub_optimizers")
-    if not subs:
-        f.fail(f"{where}.sub_optimizers", "is empty")
-    for i, sub in enumerate(subs):
-        if _optimizer(f, sub, f"{where}.sub_optimizers[{i}]") != 1:
-            f.fail(f"{where}.sub_optimizers[{i}]", "nests another MultiOptimizer")
-    return len(subs)
-
-
-def _plan(f: Fields, plan, num_optimizers: int) -> Dict[str, tuple]:
-    """The plan; returns ``{path: (optimizer index, slot, param dtype)}``."""
-    f.dict(plan, "plan")
-    world = f.int(f.get(plan, "world_size", "plan"), "plan.world_size", 1)
-    f.int(f.get(plan, "communication_size", "plan"), "plan.communication_size", -(1 << 62))
-    slots, indices = {}, set()
-    for b, bucket in enumerate(f.list(f.get(plan, "buckets", "plan"), "plan.buckets")):
-        where = f"plan.buckets[{b}]"
-        f.dict(bucket, where)
-        k = f.int(f.get(bucket, "optimizer", where), f"{where}.optimizer", 0, num_optimizers)
-        f.dtype(f.get(bucket, "dtype", where), f"{where}.dtype")
-        param_dtype = f.dtype(f.get(bucket, "param_dtype", where), f"{where}.param_dtype")
-        f.int(f.get(bucket, "cols", where), f"{where}.cols")
-        for s, slot in enumerate(f.list(f.get(bucket, "slots", where), f"{where}.slots")):
-            at = f"{where}.slots[{s}]"
-            f.dict(slot, at)
-            path = f.str(f.get(slot, "path", at), f"{at}.path")
-            if path in slots:
-                f.fail(f"{at}.path", f"repeats {path!r}, which another slot already has")
-            index = f.int(f.get(slot, "index", at), f"{at}.index")
-            if index in indices:
-                f.fail(f"{at}.index", f"repeats {index}, which another slot already has")
-            indices.add(index)
-            shape = f.shape(f.get(slot, "shape", at), f"{at}.shape")
-            f.equal(f.int(f.get(slot, "size", at), f"{at}.size"), _size(shape), f"{at}.size",
-                    "the product of its shape")
-            for name in ("start", "cols", "offset"):  # format 3 has start, 1 and 2 the others
-                f.int(f.get(slot, name, at, optional=True, default=0), f"{at}.{name}")
-            owner = f.get(slot, "owner", at, optional=True)
-            if owner is not None:
-                f.int(owner, f"{at}.owner", 0, world)
-            f.str(f.get(slot, "order", at, optional=True, default="C"), f"{at}.order", ORDERS)
-            slots[path] = (k, slot, param_dtype)
-    if not slots:
-        f.fail("plan.buckets", "holds no parameter")
-    return slots
 
 
 def _entry(f: Fields, entry, where: str, param: dict, param_where: str, num_shards: int):
@@ -177,7 +114,7 @@ def _optimizers(f: Fields, sections, count: int, slots: Dict[str, tuple], num_sh
             _parameter(f, param, _key(f"{where}.parameters", path), slot, dtype, num_shards)
 
 
-def _model(f: Fields, model, slots: Dict[str, tuple]):
+def _model(f: Fields, model, slots: Dict[str, tuple], num_shards: int):
     f.dict(model, "model")
     f.equal(f.get(model, "file", "model"), MODEL_FILE, "model.file", "the model file's name")
     params = f.dict(f.get(model, "parameters", "model"), "model.parameters")
@@ -198,30 +135,52 @@ def _model(f: Fields, model, slots: Dict[str, tuple]):
         f.equal(params[path]["dtype"], dtype, f"{where}.dtype", "the plan bucket's param_dtype")
     weights = f.str(f.get(model, "weights", "model", optional=True, default="all"),
                     "model.weights", WEIGHTS)
-    if weights == "all":
-        return
-    stored = f.list(f.get(model, "stored", "model"), "model.stored")
-    for i, path in enumerate(stored):
-        if not isinstance(path, str) or path not in params:
-            f.fail(f"model.stored[{i}]", f"is {show(path)}, not a path of model.parameters")
-    if len(set(stored)) != len(stored):
-        f.fail("model.stored", "lists a parameter twice")
-    for path in slots:
+    stored = params
+    if weights == "trainable":
+        stored = f.list(f.get(model, "stored", "model"), "model.stored")
+        for i, path in enumerate(stored):
+            if not isinstance(path, str) or path not in params:
+                f.fail(f"model.stored[{i}]", f"is {show(path)}, not a path of model.parameters")
+        if len(set(stored)) != len(stored):
+            f.fail("model.stored", "lists a parameter twice")
+        for path in slots:
+            if path not in stored:
+                f.fail("model.stored", f"lacks {path!r}, which the plan trains")
+    shards = f.dict(f.get(model, "shards", "model", optional=True, default={}), "model.shards")
+    for path, entry in shards.items():  # format 4: in the model shard files
+        where = _key("model.shards", path)
         if path not in stored:
-            f.fail("model.stored", f"lacks {path!r}, which the plan trains")
+            f.fail(where, "is not a parameter that the checkpoint stores")
+        if f.dict(entry, where).get("kind") == "flat":
+            f.fail(f"{where}.kind", "is 'flat', which only optimizer entries of formats 1 and 2 "
+                   "are")
+        info = params[path]
+        _entry(f, entry, where, {"shape": info["shape"], "size": math.prod(info["shape"])},
+               _key("model.parameters", path), num_shards)
+        f.equal(entry["shape"], info["shape"], f"{where}.shape", "the parameter's shape")
+        f.equal(entry["dtype"], info["dtype"], f"{where}.dtype", "the parameter's dtype")
 
 
-def _files(f: Fields, files, num_shards: int):
+def _one_of(name: str, kinds, num_shards: int) -> bool:
+    """Whether ``name`` is a shard file of one of ``kinds`` (without listing them all)."""
+    for pattern, make in kinds:
+        match = pattern.fullmatch(name)
+        if match and int(match[1]) < num_shards and name == make(int(match[1]), num_shards):
+            return True
+    return False
+
+
+def _files(f: Fields, files, num_shards: int, model_shards: bool):
     f.dict(files, "files")
-    last = shard_file(num_shards - 1, num_shards)
+    kinds = [(_SHARD, shard_file)] + ([(_MODEL_SHARD, model_shard_file)] if model_shards else [])
+    listed = ", ".join(
+        make(0, num_shards) + (" ... " + make(num_shards - 1, num_shards) if num_shards > 1 else "")
+        for _, make in kinds)
     for name, info in files.items():
         where = _key("files", name)
-        match = _SHARD.fullmatch(name)
-        if name != MODEL_FILE and not (
-            match and int(match[1]) < num_shards and name == shard_file(int(match[1]), num_shards)
-        ):
-            f.fail(where, f"is not a file of this checkpoint (its files are {MODEL_FILE} and "
-                   f"{shard_file(0, num_shards)}{' ... ' + last if num_shards > 1 else ''})")
+        if name != MODEL_FILE and not _one_of(name, kinds, num_shards):
+            f.fail(where, f"is not a file of this checkpoint (its files are {MODEL_FILE}, "
+                   f"{listed})")
         f.dict(info, where)
         digest = f.str(f.get(info, "sha256", where), f"{where}.sha256")
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -229,9 +188,10 @@ def _files(f: Fields, files, num_shards: int):
         f.int(f.get(info, "bytes", where), f"{where}.bytes")
     if MODEL_FILE not in files:
         f.fail("files", f"lacks {MODEL_FILE}")
-    if len(files) != num_shards + 1:
+    if len(files) != len(kinds) * num_shards + 1:
         # At most len(files) names are present, so this stops early.
-        missing = next(n for n in (shard_file(r, num_shards) for r in range(num_shards))
+        missing = next(n for _, make in kinds for n in (make(r, num_shards)
+                                                        for r in range(num_shards))
                        if n not in files)
         f.fail("files", f"lacks {missing} (layout.num_shards is {num_shards})")
 
@@ -261,9 +221,11 @@ def validate(manifest: dict, file: str) -> dict:
     layout = f.dict(f.get(manifest, "layout", ""), "layout")
     f.str(f.get(layout, "kind", "layout"), "layout.kind", LAYOUTS)
     num_shards = f.int(f.get(layout, "num_shards", "layout"), "layout.num_shards", 1)
-    _files(f, f.get(manifest, "files", ""), num_shards)
-    count = _optimizer(f, f.get(manifest, "optimizer", ""), "optimizer")
-    slots = _plan(f, f.get(manifest, "plan", ""), count)
+    model = manifest.get("model")
+    shards = model.get("shards") if isinstance(model, dict) else None
+    _files(f, f.get(manifest, "files", ""), num_shards, isinstance(shards, dict) and bool(shards))
+    count = optimizer_section(f, f.get(manifest, "optimizer", ""), "optimizer")
+    slots = plan_section(f, f.get(manifest, "plan", ""), count)
     f.equal(manifest["plan"]["world_size"], num_shards, "plan.world_size", "layout.num_shards")
     _optimizers(f, f.get(manifest, "optimizers", ""), count, slots, num_shards)
     first = manifest["optimizers"][0]["scalars"]["step"].get("value")
@@ -277,6 +239,6 @@ def validate(manifest: dict, file: str) -> dict:
         at = _key(f"optimizers[{k}].parameters", path)
         _entry(f, entry, _key("master", path), manifest["optimizers"][k]["parameters"][path],
                at, num_shards)
-    _model(f, f.get(manifest, "model", ""), slots)
+    _model(f, f.get(manifest, "model", ""), slots, num_shards)
     return manifest
 

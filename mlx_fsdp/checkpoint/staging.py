@@ -12,12 +12,14 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..fully_sharded.full import plain_paths
 from ..placement import assign_optimizers
-from ..plan import Plan, Slot, dtype_name
+from ..plan import Plan, Slot
 from .layout import shard_state
 from .manifest import CheckpointError, class_names, describe_optimizer
 from .reader import read_checkpoint
 from .contents import stored_weights
+from .weights import describe_parameters, fully_sharded_problem, held_weights
 
 
 @dataclass
@@ -71,9 +73,7 @@ def _differences(saved: dict, current: dict, limit: int = 5) -> list:
 
 
 def _check_model(path: str, manifest: dict, model):
-    current = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
-               for k, v in tree_flatten(model.parameters())}
-    problems = _differences(manifest["model"]["parameters"], current)
+    problems = _differences(manifest["model"]["parameters"], describe_parameters(model))
     if problems:
         raise CheckpointError(
             f"The checkpoint {path} was saved from a different model ("
@@ -82,7 +82,16 @@ def _check_model(path: str, manifest: dict, model):
         )
 
 
-def _check_optimizer(path: str, manifest: dict, optimizer, model):
+def _trained(model, optimizer, plan: Optional[Plan]) -> List[tuple]:
+    """``(plain path, sub-optimizer)`` of every array that ``optimizer`` trains."""
+    if plan is not None:  # the sharded step's own assignment (it sees whole shapes)
+        names = plain_paths(model)
+        return [(names[s.path], b.optimizer) for b in plan.buckets for s in b.slots]
+    trainable = tree_flatten(model.trainable_parameters())
+    return [(p, o) for (p, _), o in zip(trainable, assign_optimizers(trainable, optimizer))]
+
+
+def _check_optimizer(path: str, manifest: dict, optimizer, model, plan: Optional[Plan]):
     saved, here = class_names(manifest["optimizer"]), class_names(describe_optimizer(optimizer))
     if saved != here:
         raise CheckpointError(
@@ -90,10 +99,9 @@ def _check_optimizer(path: str, manifest: dict, optimizer, model):
             f"optimizer given is {' / '.join(here)}; their states do not convert. Create "
             f"the same optimizer class as when saving (the hyper-parameters may differ)."
         )
-    trainable = tree_flatten(model.trainable_parameters())
-    assigned = assign_optimizers(trainable, optimizer)
+    trained = _trained(model, optimizer, plan)
     for k, desc in enumerate(manifest["optimizers"]):
-        have = {p for (p, _), o in zip(trainable, assigned) if o == k}
+        have = {p for p, o in trained if o == k}
         want = set(desc["parameters"])
         if have != want:
             raise CheckpointError(
@@ -117,9 +125,9 @@ def _check_whole(slot: Slot, name: str, array: mx.array):
         )
 
 
-def _sharded_states(plan: Plan, rank: int, states, scalars, master):
+def _sharded_states(plan: Plan, rank: int, states, scalars, master, names):
     """What this rank holds under ``plan``: new sub-optimizer states and masters."""
-    trees, pieces = shard_state(plan, rank, states, master)
+    trees, pieces = shard_state(plan, rank, states, master, names)
     for b in plan.buckets:
         if b.owned:
             for s in b.held(rank):
@@ -156,7 +164,8 @@ def stage(path: str, model, optimizer, wrapper, plan: Optional[Plan], rank: int)
 
     Raises:
         CheckpointError: Naming what does not fit.
-        ValueError: Between micro-batches of gradient accumulation.
+        ValueError: Between micro-batches of gradient accumulation, or for a
+            fully sharded model without its ``fsdp_step`` wrapper.
     """
     micro = getattr(wrapper, "micro_step", 0)
     if micro:
@@ -165,13 +174,16 @@ def stage(path: str, model, optimizer, wrapper, plan: Optional[Plan], rank: int)
             "micro-batches (opt.micro_step != 0); their accumulated gradients would be added "
             "to the loaded state. Load before training, or right after an optimizer step."
         )
+    problem = fully_sharded_problem(model, None if plan is None else plan.world_size)
+    if problem:
+        raise ValueError(problem)
     manifest, weights, states, scalars, master = read_checkpoint(path)
     _check_model(path, manifest, model)
-    _check_optimizer(path, manifest, optimizer, model)
+    _check_optimizer(path, manifest, optimizer, model, plan)
     if plan is None:
         new = _plain_states(states, scalars)
     else:
-        new, master = _sharded_states(plan, rank, states, scalars, master)
+        new, master = _sharded_states(plan, rank, states, scalars, master, plain_paths(model))
     master_dtype = getattr(wrapper, "master_dtype", None)
     kept = None
     if master_dtype is not None:
@@ -179,13 +191,20 @@ def stage(path: str, model, optimizer, wrapper, plan: Optional[Plan], rank: int)
     stored = stored_weights(manifest)
     out = Staged(
         manifest=manifest,
-        weights=[(k, weights[k]) for k in stored],
+        weights=held_weights(model, weights, stored),
         all_weights=len(stored) == len(manifest["model"]["parameters"]),
         states=new,
         master=kept,
         ignored_master=bool(master) and kept is None,
     )
-    mx.eval(out.weights, out.states, out.master)
+    # Evaluated one at a time, with no reference left to the whole arrays, each
+    # whole array is freed once what this rank holds of it is cut out: a load
+    # needs little memory beyond the new state (a fully sharded model is never
+    # whole on a rank).
+    del weights, states, master
+    for _, a in tree_flatten((out.weights, out.states, out.master)):
+        if isinstance(a, mx.array):
+            mx.eval(a)
     return out
 
 

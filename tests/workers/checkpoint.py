@@ -13,7 +13,7 @@ all world sizes follow the same trajectory as a plain single-process run.
 
 import sys
 
-from ckpt_common import by_key_diff, make_optimizer, train
+from ckpt_common import by_key_diff, make_optimizer, node, sub_states, train
 from common import make_model, report
 
 import mlx.core as mx
@@ -34,17 +34,6 @@ def reference(name, steps):
     model, opt = make_model(bf16=False), make_optimizer(name)
     train(model, opt, steps)
     return model, opt
-
-
-def sub_states(opt):
-    inner = getattr(opt, "optimizer", opt)
-    return [o.state for o in getattr(inner, "optimizers", [inner])]
-
-
-def _node(tree, path):
-    for part in path.split("."):
-        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
-    return tree
 
 
 def state_vs_reference(opt, ref_opt, group):
@@ -74,7 +63,7 @@ def state_vs_reference(opt, ref_opt, group):
                     assert s.path not in mine, (s.path, "state on a rank that holds nothing of it")
                     continue
                 for name, piece in mine[s.path].items():
-                    whole = _node(ref, s.path)[name]
+                    whole = node(ref, s.path)[name]
                     if not b.owned:
                         whole = (whole.T if whole.ndim == 2 else whole).reshape(-1)[begin:end]
                     assert piece.shape == whole.shape, (s.path, name, piece.shape, whole.shape)

@@ -65,3 +65,16 @@ def by_key_diff(a, b) -> float:
         assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
         worst = max(worst, mx.abs(a[k].astype(mx.float32) - b[k].astype(mx.float32)).max().item())
     return worst
+
+
+def sub_states(opt):
+    """The state of each (sub-)optimizer of a wrapper or a plain optimizer."""
+    inner = getattr(opt, "optimizer", opt)
+    return [o.state for o in getattr(inner, "optimizers", [inner])]
+
+
+def node(tree, path: str):
+    """The sub-tree of a nested (plain MLX) state at a parameter path."""
+    for part in path.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
