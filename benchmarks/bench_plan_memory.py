@@ -15,12 +15,24 @@ mlx_fsdp.plan_memory`` predicts, less the temporaries. Each rank reports:
 * **peak**: ``mx.get_peak_memory()`` of the fullest measured step, against
   the predicted peak (max over ranks of both).
 
+Fully sharded training (``--modes fully_shard``: ``fully_shard`` on each
+block and the root, or on the whole model with ``--wrap model``, and
+``fsdp_step``) is measured over whole training steps instead (forward,
+backward and ``opt.update``, one ``mx.eval``, as the README's example runs
+them): its peak is in the backward pass, where the gathered parameters live.
+Each rank's parameter and gradient bytes are checked too, and the peak
+includes the activations, which the planner leaves out.
+
 Models: the MLP of ``bench_step.py`` and the byte-level GPT of
 ``examples/lm.py``. Rank 0 prints one markdown row per point.
+``--memory-limit`` sets ``mx.set_memory_limit``: on the CPU, MLX then
+allocates no buffer ahead of the work that fills it.
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py
     mpirun --allow-run-as-root --oversubscribe -n 4 python benchmarks/bench_plan_memory.py
     python benchmarks/bench_plan_memory.py --models mlp --optimizers adamw muon --json out.json
+    mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py --modes fully_shard \
+        --reshard-after-forward off on
 """
 
 import argparse
@@ -45,6 +57,7 @@ from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
 from lm import ByteGPT  # noqa: E402
 from lm import loss_fn as lm_loss  # noqa: E402
+from lm import parse_size  # noqa: E402
 
 MiB = 1024**2
 
@@ -62,38 +75,55 @@ def build(name: str, args):
     return model
 
 
+def loss_of(model, name: str, rank: int):
+    """This rank's loss function on fixed inputs (of the model before wrapping)."""
+    key = mx.random.key(100 + rank)
+    if name == "mlp":
+        x = mx.random.normal((8, model.layers[0].weight.shape[1]), key=key)
+        return lambda m: (m(x).astype(mx.float32) ** 2).mean()
+    tokens = mx.random.randint(0, 256, (4, 33), key=key)
+    return lambda m: lm_loss(m, tokens[:, :-1], tokens[:, 1:])
+
+
 def gradients(model, name: str, rank: int):
     """This rank's gradients from one real backward pass, evaluated and then held fixed.
 
     Real gradients, not random arrays: MLX returns a ``Linear`` weight's
     gradient as a transposed view, and the step's copies depend on that.
     """
-    key = mx.random.key(100 + rank)
-    if name == "mlp":
-        x = mx.random.normal((8, model.layers[0].weight.shape[1]), key=key)
-        loss = lambda m: (m(x).astype(mx.float32) ** 2).mean()  # noqa: E731
-    else:
-        tokens = mx.random.randint(0, 256, (4, 33), key=key)
-        loss = lambda m: lm_loss(m, tokens[:, :-1], tokens[:, 1:])  # noqa: E731
-    _, grads = nn.value_and_grad(model, loss)(model)
+    _, grads = nn.value_and_grad(model, loss_of(model, name, rank))(model)
     mx.eval(grads)
     return grads
 
 
-def wrapper(optimizer: str, mode: str, args, group):
+def fully_shard(model, name: str, optimizer, reshard: bool, args, group):
+    """``model`` wrapped as the planner's ``--wrap`` says, placed for ``optimizer``."""
+    kwargs = dict(group=group, placement=optimizer)
+    if args.communication_size is not None:
+        kwargs["communication_size"] = args.communication_size
+    if args.wrap == "blocks":
+        blocks = model.layers if name == "mlp" else model.blocks
+        for i in range(len(blocks)):
+            blocks[i] = mlx_fsdp.fully_shard(blocks[i], reshard_after_forward=reshard, **kwargs)
+        return mlx_fsdp.fully_shard(model, **kwargs)
+    return mlx_fsdp.fully_shard(model, reshard_after_forward=reshard, **kwargs)
+
+
+def wrapper(optimizer, mode: str, args, group):
     """The real ``ddp_step`` / ``fsdp_step`` for this point."""
     kwargs = dict(group=group, master_dtype=mx.float32 if args.dtype != "float32" else None)
     if args.communication_size is not None:
         kwargs["communication_size"] = args.communication_size
     if args.accumulation != "none":
         kwargs["grad_accumulation_steps"] = 2
-        if mode == "fsdp":
+        if mode != "ddp":
             kwargs["accumulation"] = args.accumulation
-    wrap = mlx_fsdp.fsdp_step if mode == "fsdp" else mlx_fsdp.ddp_step
-    return wrap(optimizers.make(optimizer), **kwargs)
+    wrap = mlx_fsdp.ddp_step if mode == "ddp" else mlx_fsdp.fsdp_step
+    return wrap(optimizer, **kwargs)
 
 
-def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
+def measure(model_name: str, optimizer: str, mode: str, args, group,
+            reshard: bool = False) -> dict:
     """One phase: the real step's bytes and peak, and the planner's prediction.
 
     The peak is the highest of ``args.repeat`` steps after the first: on the
@@ -106,16 +136,25 @@ def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
     gc.collect()
     mx.clear_cache()
     model = build(model_name, args)
-    opt = wrapper(optimizer, mode, args, group)
-    grads = gradients(model, model_name, group.rank())
+    plain = shapes.from_tree(model.trainable_parameters(), model_name)
+    inner = optimizers.make(optimizer)
+    fully = mode == "fully_shard"
+    if fully:
+        loss = loss_of(model, model_name, group.rank())
+        model = fully_shard(model, model_name, inner, reshard, args, group)
+        value_and_grad = nn.value_and_grad(model, loss)
+    else:
+        fixed = gradients(model, model_name, group.rank())
+    opt = wrapper(inner, mode, args, group)
     predicted = estimate(
-        shapes.from_tree(model.trainable_parameters(), model_name), optimizer, mode,
-        group.size(), master_dtype="float32" if args.dtype != "float32" else None,
+        plain, optimizer, mode, group.size(),
+        master_dtype="float32" if args.dtype != "float32" else None,
         communication_size=args.communication_size, accumulation=args.accumulation,
         device=default_device(),
         reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
+        wrap=args.wrap, reshard_after_forward=reshard, every_rank=True,
     )
-    mine = predicted[group.rank() if mode == "fsdp" else 0]
+    mine = predicted[group.rank() if mode != "ddp" else 0]
     per_step = 1 if args.accumulation == "none" else 2
     peak = 0
     for call in range(per_step * (1 + args.repeat)):
@@ -125,24 +164,30 @@ def measure(model_name: str, optimizer: str, mode: str, args, group) -> dict:
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
+        grads = value_and_grad(model)[1] if fully else fixed
+        grad_bytes = tree_bytes(grads)  # shapes only: evaluates nothing
         opt.update(model, grads)
+        del grads
         mx.eval(model.parameters(), opt.state)
         if measured:
             peak = max(peak, mx.get_peak_memory())
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
                     tree_bytes(opt.state.get("master", {})), mine.masters,
-                    accumulated, mine.accumulation, peak], mx.int64)
+                    accumulated, mine.accumulation, tree_bytes(model.parameters()),
+                    mine.parameters, grad_bytes, mine.gradients, peak], mx.int64)
     rows = mx.distributed.all_gather(row[None], group=group).tolist()
-    del model, opt, grads
+    del model, opt
     gc.collect()
     mx.clear_cache()
-    out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size()}
-    for i, name in enumerate(("state", "masters", "accumulation")):
+    out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size(),
+           "reshard_after_forward": reshard}
+    for i, name in enumerate(("state", "masters", "accumulation", "parameters", "gradients")):
         out[name + "_measured"] = [r[2 * i] for r in rows]
         out[name + "_predicted"] = [r[2 * i + 1] for r in rows]
-    out["equal"] = all(r[0] == r[1] and r[2] == r[3] and r[4] == r[5] for r in rows)
-    out["peak_measured"] = max(r[6] for r in rows)
+    out["equal"] = all(r[i] == r[i + 1] for r in rows for i in range(0, 10, 2))
+    out["peak_measured"] = max(r[10] for r in rows)
     out["peak_predicted"] = max(r.peak for r in predicted)
+    out["peak_predicted_parts"] = max(predicted, key=lambda r: r.peak).to_dict()
     return out
 
 
@@ -151,7 +196,16 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", choices=("mlp", "gpt"), default=["mlp", "gpt"])
     p.add_argument("--optimizers", nargs="+", choices=list(optimizers.OPTIMIZERS),
                    default=list(optimizers.OPTIMIZERS))
-    p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
+    p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp", "fully_shard"),
+                   default=["ddp", "fsdp"])
+    p.add_argument("--wrap", choices=("blocks", "model"), default="blocks",
+                   help="fully_shard each block, then the model, or the model once (default "
+                   "blocks)")
+    p.add_argument("--reshard-after-forward", nargs="+", choices=("off", "on"), default=["off"],
+                   help="fully_shard's reshard_after_forward for the blocks; both: off on "
+                   "(default off)")
+    p.add_argument("--memory-limit", type=parse_size,
+                   help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
     p.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
     p.add_argument("--dims", type=int, default=128, help="GPT width (default 128)")
@@ -173,20 +227,26 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     group = mx.distributed.init()
-    rows = [measure(m, o, mode, args, group)
-            for m in args.models for o in args.optimizers for mode in args.modes]
+    if args.memory_limit is not None:
+        mx.set_memory_limit(args.memory_limit)
+    rows = [measure(m, o, mode, args, group, reshard == "on")
+            for m in args.models for o in args.optimizers for mode in args.modes
+            for reshard in (args.reshard_after_forward if mode == "fully_shard" else ["off"])]
     if group.rank() != 0:
         return
     size = args.communication_size
     buckets = "default buckets" if size is None else f"buckets {size / MiB:g} MiB"
+    limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit / MiB:g} MiB"
     print(f"N={group.size()}, {args.dtype}, {buckets}, accumulation {args.accumulation}, MLP "
-          f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}; bytes of rank 0, "
-          "equal = on every rank; peak: max over ranks")
+          f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}, fully_shard wraps "
+          f"{args.wrap}{limit}; bytes of rank 0, equal = on every rank (fully_shard: "
+          "parameters and gradients too); peak: max over ranks")
     print("| model | optimizer | mode | state B | masters B | accumulated B | equal | "
           "peak predicted MiB | peak measured MiB | measured / predicted |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['optimizer']} | {r['mode']} | {r['state_measured'][0]} | "
+        mode = r["mode"] + (" (reshard)" if r["reshard_after_forward"] else "")
+        print(f"| {r['model']} | {r['optimizer']} | {mode} | {r['state_measured'][0]} | "
               f"{r['masters_measured'][0]} | {r['accumulation_measured'][0]} | "
               f"{'yes' if r['equal'] else 'NO'} | {r['peak_predicted'] / MiB:.2f} | "
               f"{r['peak_measured'] / MiB:.2f} | {r['peak_measured'] / r['peak_predicted']:.3f} |")

@@ -1,11 +1,13 @@
-"""Will it fit? Per-rank memory of ``ddp_step`` and ``fsdp_step``, before launching.
+"""Will it fit? Per-rank memory of ``ddp_step``, ``fsdp_step`` and ``fully_shard``, before launching.
 
 ``python -m mlx_fsdp.plan_memory`` prints, for a model given by its
 safetensors, its mlx-lm directory or a Llama-style shape description, the
 bytes each rank holds (parameters, gradients, optimizer state, masters,
-communication buffers) for DDP and FSDP at several world sizes, and which
-configurations fit a memory budget. See :mod:`mlx_fsdp.plan_memory.estimate`
-for what is counted.
+communication buffers, and under fully sharded training the gathered
+parameters) for DDP, FSDP and fully sharded training at several world
+sizes, and which configurations fit a memory budget; with ``--fit``, the
+largest model of a width that fits. See :mod:`mlx_fsdp.plan_memory.estimate`
+and :mod:`mlx_fsdp.plan_memory.fully` for what is counted.
 
 From Python::
 
@@ -13,6 +15,7 @@ From Python::
     model = shapes.llama(**shapes.PRESETS["7B"])
     ranks = estimate(model, "adamw", "fsdp", 8, master_dtype="float32")
     print(max(r.peak for r in ranks))
+    ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True)
 """
 
 from . import optimizers, shapes

@@ -3,6 +3,7 @@
     python -m mlx_fsdp.plan_memory --params 7B --memory 64GiB
     python -m mlx_fsdp.plan_memory path/to/mlx-lm-model --optimizer adamw muon --ranks 2 4
     python -m mlx_fsdp.plan_memory model.safetensors --dtype bfloat16 --json plan.json
+    python -m mlx_fsdp.plan_memory --params 8B --fit --ranks 8 --memory 32GiB --mode fully_shard
 """
 
 import argparse
@@ -10,13 +11,12 @@ import json
 import re
 import sys
 
-from . import optimizers, shapes
-from .buffers import DEVICES, default_communication_size, default_device
+from . import fit, optimizers, shapes
+from .buffers import BACKENDS, DEVICES, default_device
 from .estimate import ACCUMULATION, MODES, estimate_ranks
-from .report import Row, describe, fewest_ranks, gib, table, verdicts
-
-#: Backend -> FSDP's reduce-scatter there (see :mod:`mlx_fsdp.collectives`).
-BACKENDS = {"ring": None, "mpi": None, "nccl": "native", "jaccl": "native"}
+from .fully import WRAPS
+from .render import render, render_fit
+from .report import Row, fewest_ranks
 
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b?)", re.IGNORECASE)
 
@@ -40,7 +40,8 @@ def byte_size(text: str) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m mlx_fsdp.plan_memory",
-        description="Per-rank memory of ddp_step and fsdp_step for a model, before launching.",
+        description="Per-rank memory of ddp_step, fsdp_step and fully sharded training "
+        "(fully_shard + fsdp_step) for a model, before launching.",
     )
     p.add_argument("model", nargs="?",
                    help="an mlx-lm model directory (config.json + *.safetensors) or a "
@@ -57,7 +58,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("training configuration")
     g.add_argument("--optimizer", nargs="+", choices=list(optimizers.OPTIMIZERS),
                    default=list(optimizers.OPTIMIZERS), help="default: all")
-    g.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
+    g.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES),
+                   help="ddp (ddp_step), fsdp (fsdp_step), fully_shard (fully_shard and "
+                   "fsdp_step) (default: all)")
     g.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="world sizes (default 1 2 4 8)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -75,10 +78,21 @@ def parse_args(argv=None):
     g.add_argument("--accumulation", choices=ACCUMULATION, default="none",
                    help="gradient accumulation buffer: none (default), local (a full "
                    "gradient) or sharded (FSDP: this rank's 1/N)")
+    g = p.add_argument_group("fully sharded training (--mode fully_shard)")
+    g.add_argument("--wrap", choices=WRAPS, default="blocks",
+                   help="blocks: fully_shard each block (the module at a path's first "
+                   "integer, e.g. model.layers.3), then the model; model: the whole model "
+                   "once (default blocks)")
+    g.add_argument("--reshard-after-forward", action="store_true",
+                   help="the blocks' reshard_after_forward: one block's parameters gathered "
+                   "at a time, not all of them between the forward and the backward pass")
     g = p.add_argument_group("output")
     g.add_argument("--memory", type=byte_size,
                    help="memory per rank, e.g. 64GB or 64GiB: say what fits, and how many "
-                   "ranks FSDP needs where DDP does not fit")
+                   "ranks FSDP and fully_shard need")
+    g.add_argument("--fit", action="store_true",
+                   help="with --memory and a shape description: the largest model of that "
+                   "width (the most layers) that fits at each --ranks, per mode")
     g.add_argument("--max-ranks", type=int, default=1024,
                    help="largest world size to look for (default 1024)")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout only)")
@@ -90,114 +104,102 @@ def parse_args(argv=None):
                 "(--params 7B, or --layers/--dims/--ffn/--vocab/--heads), not both")
     if min(args.ranks) < 1 or args.max_ranks < 1:
         p.error(f"--ranks {args.ranks} and --max-ranks {args.max_ranks} must be >= 1")
+    if args.fit and (args.memory is None or args.model is not None or args.layers is not None):
+        p.error("--fit grows the layer count of a shape description: give --memory and "
+                "--params (or --dims/--ffn/--vocab/--heads), without MODEL and --layers")
     return p, args
+
+
+def shape_fields(p, args) -> dict:
+    """The Llama-style description's fields (``layers`` left out under ``--fit``)."""
+    fields = dict(shapes.PRESETS.get(args.params, {}))
+    for key in ("layers", "dims", "ffn", "vocab", "heads", "kv_heads"):
+        if getattr(args, key) is not None:
+            fields[key] = getattr(args, key)
+    if args.fit:  # --fit chooses the layer count
+        fields.pop("layers", None)
+    missing = [k for k in ("dims", "ffn", "vocab", "heads") + (() if args.fit else ("layers",))
+               if k not in fields]
+    if missing:
+        p.error("a description without --params needs " +
+                ", ".join("--" + k for k in missing))
+    return dict(fields, tie=args.tie, dtype=args.dtype or "bfloat16")
 
 
 def load_model(p, args) -> shapes.Model:
     if args.model is not None:
         return shapes.load(args.model)
-    fields = dict(shapes.PRESETS.get(args.params, {}))
-    for key in ("layers", "dims", "ffn", "vocab", "heads", "kv_heads"):
-        if getattr(args, key) is not None:
-            fields[key] = getattr(args, key)
-    missing = [k for k in ("layers", "dims", "ffn", "vocab", "heads") if k not in fields]
-    if missing:
-        p.error("a description without --params needs " +
-                ", ".join("--" + k for k in missing))
-    return shapes.llama(**fields, tie=args.tie, dtype=args.dtype or "bfloat16")
+    return shapes.llama(**shape_fields(p, args))
+
+
+def options_of(args) -> dict:
+    """The keyword arguments of :func:`estimate_ranks` the flags set."""
+    return dict(dtype=args.dtype, communication_size=args.communication_size,
+                accumulation=args.accumulation, device=args.device,
+                reduce_scatter=BACKENDS[args.backend],
+                master_dtype=None if args.master_dtype == "none" else args.master_dtype,
+                wrap=args.wrap, reshard_after_forward=args.reshard_after_forward)
 
 
 def plan(model: shapes.Model, args):
-    """Every configuration's rows, and the fewest FSDP ranks per optimizer (with ``--memory``)."""
-    options = dict(dtype=args.dtype, communication_size=args.communication_size,
-                   accumulation=args.accumulation, device=args.device,
-                   reduce_scatter=BACKENDS[args.backend],
-                   master_dtype=None if args.master_dtype == "none" else args.master_dtype)
+    """Every configuration's rows, the fewest ranks per sharded mode and optimizer (with
+    ``--memory``), and fully_shard at the largest N with reshard_after_forward (where it
+    is off and every block is wrapped)."""
+    options = options_of(args)
     results = {
         name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
                for mode in args.mode for n in sorted(set(args.ranks))]
         for name in args.optimizer
     }
     needed = {}
-    if args.memory is not None and "fsdp" in args.mode:
+    sharded = [m for m in args.mode if m != "ddp"] if args.memory is not None else []
+    for mode in sharded:
         for name in args.optimizer:
-            n, why = fewest_ranks(model, name, args.memory, args.max_ranks, **options)
-            needed[name] = {"world_size": n, "why": why}
-    return results, needed
-
-
-def render(model: shapes.Model, args, results, needed) -> str:
-    """The terminal report: a header, then a table and verdicts per optimizer."""
-    first = results[args.optimizer[0]][0].fullest
-    dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
-    out = [
-        f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
-        f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
-        f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
-        f"{_buckets(args)}",
-        f"masters {args.master_dtype}, accumulation {args.accumulation}"
-        + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
-        "GiB per rank (the fullest rank); peak = the sum: one optimizer step, without "
-        "activations and the optimizer's arithmetic temporaries",
-    ]
-    for name in args.optimizer:
-        out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
-        out += verdicts(results[name], args.memory)
-        if name in needed:
-            out.append(_needed_line(results[name], needed[name], args.memory))
-    return "\n".join(out)
+            n, why = fewest_ranks(model, name, args.memory, args.max_ranks, mode, **options)
+            needed.setdefault(mode, {})[name] = {"world_size": n, "why": why}
+    resharded = {}
+    if "fully_shard" in args.mode and args.wrap == "blocks" and not args.reshard_after_forward:
+        n, options["reshard_after_forward"] = max(args.ranks), True
+        resharded = {name: Row(name, "fully_shard", n,
+                               estimate_ranks(model, name, "fully_shard", n, **options))
+                     for name in args.optimizer}
+    return results, needed, resharded
 
 
 def main(argv=None) -> int:
     p, args = parse_args(argv)
     try:
-        model = load_model(p, args)
-        results, needed = plan(model, args)
+        if args.fit:
+            fields = shape_fields(p, args)
+            fits = fit.search(fields, args.optimizer, args.mode, args.ranks, args.memory,
+                              **options_of(args))
+        else:
+            model = load_model(p, args)
+            results, needed, resharded = plan(model, args)
     except ValueError as e:
         p.error(str(e))
     if args.json != "-":
-        print(render(model, args, results, needed))
+        print(render_fit(fields, args, fits) if args.fit else
+              render(model, args, results, needed, resharded))
     if args.json:
-        record = {
-            "model": {"name": model.name, "parameters": model.num_parameters,
-                      "arrays": len(model.arrays)},
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "memory": args.memory,
-            "rows": [r.to_dict(args.memory) for name in args.optimizer for r in results[name]],
-            "fsdp_ranks_needed": needed,
-        }
+        record = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                  "memory": args.memory}
+        if args.fit:
+            record["fit"] = [fit.to_dict(f, args.memory) for name in args.optimizer
+                             for f in fits[name]]
+        else:
+            record.update(
+                model={"name": model.name, "parameters": model.num_parameters,
+                       "arrays": len(model.arrays)},
+                rows=[r.to_dict(args.memory) for name in args.optimizer for r in results[name]],
+                fsdp_ranks_needed=needed.get("fsdp", {}),
+                fully_shard_ranks_needed=needed.get("fully_shard", {}))
         if args.json == "-":
             print(json.dumps(record, indent=1))
         else:
             with open(args.json, "w") as f:
                 json.dump(record, f, indent=1)
     return 0
-
-
-def _reduce_scatter(backend: str) -> str:
-    if BACKENDS[backend] == "native":
-        return "native reduce-scatter"
-    return "reduce-scatter by exchange at N=2, by all-sum above"
-
-
-def _buckets(args) -> str:
-    """The bucket budgets used: the one given, or each wrapper's default on the device."""
-    mib = lambda n: f"{n / 1024**2:g} MiB"  # noqa: E731
-    if args.communication_size is not None:
-        return f"buckets {mib(args.communication_size)}"
-    sizes = {mode: default_communication_size(mode, args.device) for mode in args.mode}
-    where = "the CPU" if args.device == "cpu" else "a GPU"
-    return ("buckets " + ", ".join(f"{mode.upper()} {mib(n)}" for mode, n in sizes.items())
-            + f" (the wrappers' defaults on {where})")
-
-
-def _needed_line(rows, needed: dict, memory: int) -> str:
-    ddp = [str(r.world_size) for r in rows if r.mode == "ddp" and r.fits(memory)]
-    n, why = needed["world_size"], needed["why"]
-    line = f"In {gib(memory)} GiB: "
-    if any(r.mode == "ddp" for r in rows):
-        line += f"DDP fits at N={','.join(ddp)}; " if ddp else "DDP does not fit; "
-    return line + (f"FSDP fits from N={n}" if n is not None else f"FSDP does not fit: {why}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ REDUCE_SCATTERS = (None, "native", "exchange", "all_sum")
 
 DEVICES = ("cpu", "gpu")
 
+#: Backend -> the reduce-scatter ``fsdp_step`` and ``fully_shard`` run there
+#: (see :mod:`mlx_fsdp.collectives`): NCCL and JACCL have a native one.
+BACKENDS = {"ring": None, "mpi": None, "nccl": "native", "jaccl": "native"}
+
 
 def default_device() -> str:
     """``"gpu"`` or ``"cpu"``: the device MLX defaults to on this machine."""
@@ -75,13 +79,13 @@ def default_device() -> str:
 def default_communication_size(mode: str, device: str) -> int:
     """The bucket budget a wrapper uses when ``communication_size`` is left out.
 
-    ``fsdp_step``: :data:`mlx_fsdp.options.DEFAULT_SIZE_GPU` on a GPU,
-    :data:`~mlx_fsdp.options.DEFAULT_SIZE_CPU` on the CPU; ``ddp_step``:
-    MLX's 32 MiB everywhere.
+    ``fsdp_step`` and ``fully_shard``: :data:`mlx_fsdp.options.DEFAULT_SIZE_GPU`
+    on a GPU, :data:`~mlx_fsdp.options.DEFAULT_SIZE_CPU` on the CPU;
+    ``ddp_step``: MLX's 32 MiB everywhere.
     """
     if device not in DEVICES:
         raise ValueError(f"device={device!r} must be one of {', '.join(DEVICES)}.")
-    return DEFAULT_SIZE_CPU if mode == "fsdp" and device == "cpu" else DEFAULT_SIZE_GPU
+    return DEFAULT_SIZE_CPU if mode != "ddp" and device == "cpu" else DEFAULT_SIZE_GPU
 
 
 def resolve_reduce_scatter(method: Optional[str], world_size: int) -> str:
@@ -95,6 +99,18 @@ def resolve_reduce_scatter(method: Optional[str], world_size: int) -> str:
         raise ValueError(f"reduce_scatter='exchange' needs 2 ranks, not {world_size}; "
                          "use None or 'all_sum'.")
     return method or ("exchange" if world_size == 2 else "all_sum")
+
+
+def reduce_buffers(bucket: BucketBytes, method: str) -> int:
+    """The input and output buffers of one bucket's reduce-scatter, in bytes.
+
+    The vector and the shard (``native``), half the vector sent and half
+    received (``exchange``), or the vector and the all-summed vector
+    (``all_sum``).
+    """
+    if method == "native":
+        return bucket.vector + bucket.shard
+    return bucket.vector if method == "exchange" else 2 * bucket.vector
 
 
 def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]:
@@ -114,11 +130,8 @@ def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]
     mine = [b for b in buckets if b.held]
     kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
     reduced = sum(kept.values())
-    # While one bucket is reduced: its input and output buffers (the exchange
-    # sends and receives half the vector), next to what the others keep.
-    moving = {"native": lambda b: b.vector + b.shard, "exchange": lambda b: b.vector,
-              "all_sum": lambda b: 2 * b.vector}[method]
-    reducing = reduced + max((moving(b) for b in mine), default=0)
+    # While one bucket is reduced: its buffers, next to what the others keep.
+    reducing = reduced + max((reduce_buffers(b, method) for b in mine), default=0)
     fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
     gathering = reduced + fullest.held + fullest.packed
     if reducing > gathering + fullest.gathered:

@@ -7,7 +7,8 @@ The optimizer state is what the real ``mlx.optimizers`` optimizer builds
 when it is initialized on those arrays (for FSDP, on this rank's pieces; see
 :mod:`mlx_fsdp.plan_memory.sharding`).
 
-What is counted, per rank (all ranks hold the whole model in both modes):
+What is counted, per rank (all ranks hold the whole model under ``ddp``
+and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 
 * **parameters** and **gradients** (the gradient tree the caller holds, in
   the parameters' dtype; a quantized layer, one with an integer
@@ -22,29 +23,34 @@ What is counted, per rank (all ranks hold the whole model in both modes):
   :mod:`mlx_fsdp.plan_memory.buffers`): FSDP, the output of every bucket's
   reduce-scatter and one bucket's reduced, updated, packed and gathered
   pieces (the gathered vector is the new parameters); DDP, the averaged
-  gradients and one group's flattening copies, and one array's new copy.
+  gradients and one group's flattening copies, and one array's new copy;
+* **gathered** and **full gradients** (``fully_shard`` only): the full
+  parameters of the wrapped modules alive at once in the forward and
+  backward pass, and the full gradients of one of them before its
+  reduce-scatter.
 
 The **peak** is their sum: the memory of one optimizer step given the
-gradients (the model-state peak; activations are excluded, as they are in
-DeepSpeed's estimator). It leaves out the optimizer's arithmetic
+gradients, or under ``fully_shard`` of the fuller of the step and the
+forward and backward pass (the model-state peak; activations are excluded,
+as they are in DeepSpeed's estimator). It leaves out the optimizer's arithmetic
 temporaries and what MLX's scheduler keeps alive beyond the fullest phase,
 so it is a floor: the README states the margin measured against
 ``mx.get_peak_memory``.
 """
 
 from dataclasses import asdict, dataclass, fields
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import optimizers
+from . import fully, optimizers
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
 from .shapes import Model
 from .sharding import _fsdp_state, plain_state
 
-MODES = ("ddp", "fsdp")
+MODES = ("ddp", "fsdp", "fully_shard")
 ACCUMULATION = ("none", "local", "sharded")
 
 
@@ -102,6 +108,8 @@ class RankMemory:
     masters: int
     communication: int
     new_parameters: int
+    gathered: int = 0
+    full_gradients: int = 0
 
     @property
     def peak(self) -> int:
@@ -150,6 +158,43 @@ def fsdp_memory(make_optimizer, flat, param_bytes: int, world_size: int, communi
     return out
 
 
+def fully_memory(make_optimizer, floating, trainable: Sequence[str], param_bytes: int,
+                 world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
+                 accumulation: str, reduce_scatter: Optional[str], wrap: str,
+                 reshard_after_forward: bool, every_rank: bool = False) -> List[RankMemory]:
+    """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
+
+    ``floating``: ``(path, array)`` of every floating array, frozen ones
+    (a quantized layer's scales) included, which ``fully_shard`` shards too.
+    """
+    if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
+        trained = set(trainable)
+        flat = [(p, a) for p, a in floating if p in trained]
+        return [ddp_memory(make_optimizer(), flat, param_bytes, 1, communication_size,
+                           master_dtype, accumulation)]
+    method = resolve_reduce_scatter(reduce_scatter, world_size)
+    whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
+    units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
+                      wrap, reshard_after_forward, method)
+    # Cut by rows, rank 0 holds the most of every array (ceil(rows / N) rows):
+    # only owners make another rank the fullest.
+    owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
+    out = []
+    for rank in range(world_size) if owned or every_rank else [0]:
+        held = fully.rank_bytes(units, make_optimizer(), rank, master_dtype)
+        grads = held["gradients"]
+        common = dict(parameters=whole + held["parameters"], gradients=grads,
+                      accumulation=0 if accumulation == "none" else grads,
+                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
+        passing = units.gathered + units.full_gradients + units.communication
+        if passing >= grads + held["largest"]:  # the backward pass is the fuller phase
+            out.append(RankMemory(**common, communication=units.communication, new_parameters=0,
+                                  gathered=units.gathered, full_gradients=units.full_gradients))
+        else:  # the step: the divided gradients, and one new shard at a time
+            out.append(RankMemory(**common, communication=grads, new_parameters=held["largest"]))
+    return out
+
+
 def estimate_ranks(
     model: Model,
     optimizer: str,
@@ -162,13 +207,17 @@ def estimate_ranks(
     accumulation: str = "none",
     device: Optional[str] = None,
     reduce_scatter: Optional[str] = None,
+    wrap: str = "blocks",
+    reshard_after_forward: bool = False,
+    every_rank: bool = False,
 ) -> List[RankMemory]:
     """The bytes every rank holds in one configuration.
 
     Args:
         model (shapes.Model): The model (see :mod:`mlx_fsdp.plan_memory.shapes`).
         optimizer (str): A key of :data:`optimizers.OPTIMIZERS`.
-        mode (str): ``"ddp"`` or ``"fsdp"``.
+        mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"`` (``fully_shard``
+            and ``fsdp_step``).
         world_size (int): Number of ranks.
         dtype (str, optional): Train the floating arrays in this dtype.
             Default: ``None`` (as stored).
@@ -184,9 +233,16 @@ def estimate_ranks(
         reduce_scatter (str, optional): FSDP's reduce-scatter: ``"native"``
             (NCCL, JACCL), ``"exchange"`` (2 ranks) or ``"all_sum"``.
             Default: ``None``, what ring and MPI get.
+        wrap (str): ``fully_shard``: ``"blocks"`` (each block, then the
+            root) or ``"model"`` (the whole model once). Default: ``"blocks"``.
+        reshard_after_forward (bool): ``fully_shard``: the blocks' argument.
+            Default: ``False``.
+        every_rank (bool): ``fully_shard``: every rank's, also where rank 0
+            is the fullest. Default: ``False``.
 
     Returns:
-        list[RankMemory]: One per rank (DDP: one, all ranks are alike).
+        list[RankMemory]: One per rank (DDP: one, all ranks are alike;
+        ``fully_shard`` without owner-placed arrays: rank 0's, the fullest).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
@@ -205,5 +261,14 @@ def estimate_ranks(
         local = "none" if accumulation == "none" else "local"
         return [ddp_memory(optimizers.make(optimizer), flat, param_bytes, world_size,
                            communication_size, master, local)]
-    return fsdp_memory(lambda: optimizers.make(optimizer), flat, param_bytes, world_size,
-                       communication_size, master, accumulation, reduce_scatter)
+    make = lambda: optimizers.make(optimizer)  # noqa: E731
+    if mode == "fsdp":
+        return fsdp_memory(make, flat, param_bytes, world_size, communication_size, master,
+                           accumulation, reduce_scatter)
+    trained = dict(flat)
+    floating = [(a.path, trained[a.path] if a.path in trained else
+                 mx.zeros(a.shape, getattr(mx, a.dtype)))
+                for a in model.arrays if a.path in trained or _floating(a.dtype)]
+    return fully_memory(make, floating, list(trained), param_bytes, world_size,
+                        communication_size, master, accumulation, reduce_scatter, wrap,
+                        reshard_after_forward, every_rank)

@@ -18,7 +18,7 @@ class Row:
 
     Attributes:
         optimizer (str): The optimizer's name.
-        mode (str): ``"ddp"`` or ``"fsdp"``.
+        mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
         world_size (int): Ranks.
         ranks (list[RankMemory]): Every rank (one for DDP).
     """
@@ -45,27 +45,38 @@ class Row:
         }
 
 
-def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
-                 **options) -> Tuple[Optional[int], str]:
-    """The smallest world size of 1 and :data:`SEARCH` (up to ``max_ranks``) at which FSDP fits.
+#: How the verdicts name each mode.
+LABELS = {"ddp": "DDP", "fsdp": "FSDP", "fully_shard": "fully_shard"}
 
-    FSDP keeps the whole model and its gradients on every rank, so when
-    those alone exceed ``memory`` no world size is tried.
+
+def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
+                 mode: str = "fsdp", **options) -> Tuple[Optional[int], str]:
+    """The smallest world size of 1 and :data:`SEARCH` (up to ``max_ranks``) at which a mode fits.
+
+    FSDP keeps the whole model and its gradients on every rank, and fully
+    sharded training gathers the same parameters and full gradients at any
+    N, so when those alone exceed ``memory`` no further world size is tried.
 
     Returns:
         tuple: The world size (``None`` if none fits) and, if none, why.
     """
-    one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
-    floor = one.parameters + one.gradients
-    if options.get("accumulation") == "local":
-        floor += one.accumulation
-    if floor > memory:
-        return None, (f"parameters and gradients alone take {gib(floor)} "
-                      "GiB on every rank, at any N")
+    if mode == "fsdp":
+        one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
+        floor = one.parameters + one.gradients
+        if options.get("accumulation") == "local":
+            floor += one.accumulation
+        if floor > memory:
+            return None, (f"parameters and gradients alone take {gib(floor)} "
+                          "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:
-        if max(r.peak for r in estimate_ranks(model, optimizer, "fsdp", n, **options)) <= memory:
+        ranks = estimate_ranks(model, optimizer, mode, n, **options)
+        if max(r.peak for r in ranks) <= memory:
             return n, ""
+        floor = max(r.gathered + r.full_gradients for r in ranks)
+        if n > 1 and floor > memory:
+            return None, (f"the gathered parameters and full gradients alone take "
+                          f"{gib(floor)} GiB on every rank, at any N")
     return None, (f"at no N tried up to {tried[-1]} (every N to 16, then "
                   f"{', '.join(map(str, tried[16:19]))}, ...)")
 
@@ -74,20 +85,28 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f}"
 
 
-COLUMNS = ("mode", "N", "params", "grads", "accum", "opt state", "masters", "comm",
-           "new params", "peak")
+#: Column -> RankMemory field; the fully sharded pass's two only where a row has them.
+COLUMNS = {"params": "parameters", "grads": "gradients", "accum": "accumulation",
+           "opt state": "optimizer", "masters": "masters", "gathered": "gathered",
+           "full grads": "full_gradients", "comm": "communication",
+           "new params": "new_parameters", "peak": "peak"}
 
 
-def table(rows: Sequence[Row], memory: Optional[int]) -> str:
-    """Aligned columns, GiB per rank (the fullest rank), one line per mode and N."""
-    header = list(COLUMNS) + ([f"fits {gib(memory)} GiB"] if memory is not None else [])
+def table(rows: Sequence[Row], memory: Optional[int], lead=None) -> str:
+    """Aligned columns, GiB per rank (the fullest rank), one line per mode and N.
+
+    ``lead``: ``(headers, cells per row)`` put after the mode and N.
+    """
+    fully = any(row.mode == "fully_shard" for row in rows)
+    columns = [c for c in COLUMNS if fully or c not in ("gathered", "full grads")]
+    extra, cells_of = lead or ([], [[] for _ in rows])
+    header = ["mode", "N"] + list(extra) + columns + (
+        [f"fits {gib(memory)} GiB"] if memory is not None else [])
     lines = [header]
-    for row in rows:
-        r = row.fullest
-        cells = [row.mode, str(row.world_size)] + [
-            gib(v) for v in (r.parameters, r.gradients, r.accumulation, r.optimizer,
-                             r.masters, r.communication, r.new_parameters, r.peak)
-        ]
+    for row, first in zip(rows, cells_of):
+        d = row.fullest.to_dict()
+        cells = [row.mode, str(row.world_size)] + list(first) + [gib(d[COLUMNS[c]])
+                                                                 for c in columns]
         if memory is not None:
             cells.append("yes" if row.fits(memory) else "no")
         lines.append(cells)
@@ -106,7 +125,7 @@ def verdicts(rows: Sequence[Row], memory: Optional[int]) -> List[str]:
         for row in (r for r in rows if r.world_size == n):
             peak = row.fullest.peak
             fit = "" if memory is None else (" fits" if peak <= memory else " does not fit")
-            parts.append(f"{row.mode.upper()} {gib(peak)} GiB{fit}")
+            parts.append(f"{LABELS[row.mode]} {gib(peak)} GiB{fit}")
         out.append(f"N={n}: " + ", ".join(parts))
     return out
 

@@ -1,0 +1,202 @@
+"""What one rank holds under fully sharded training: ``fully_shard`` and ``fsdp_step``.
+
+The model is wrapped per block and at the root (``wrap="blocks"``: every
+module at a path's first integer component, e.g. ``model.layers.3``, then
+the whole model for what is left: embeddings, final norm, head), or once as
+a whole (``wrap="model"``). Each wrapped module (a *unit*) keeps what its
+own plan gives this rank (:func:`unit_plan`, the rule of
+:class:`mlx_fsdp.FullyShardedModule`): the axis-0 slice of every parameter,
+``ceil(rows / N)`` rows, or, for an optimizer that needs whole arrays
+(Muon, Adafactor; ``placement=optimizer``), whole arrays on owner ranks.
+The step's state comes from the step's own plan
+(:func:`mlx_fsdp.fully_sharded.model.model_plan`) and
+:func:`mlx_fsdp.sharded_state.init_held`, as for ``fsdp_step``.
+
+Per rank: **parameters** and **gradients** (what it holds, both in the
+parameters' dtype; the gradients arrive reduced and shard-shaped), the
+**accumulation** (``local`` and ``sharded`` both sum shard-shaped
+gradients), **optimizer state** and **masters**. Then the fuller of two
+phases:
+
+* the forward and backward pass: the **gathered** parameters of the units
+  alive at once (the root's for the whole pass; every block's from its
+  forward to its backward pass, or, with ``reshard_after_forward``, the
+  largest block's, gathered again for its backward pass; with
+  ``wrap="model"`` all of them), the **full gradients** of the largest of
+  the blocks and the root (a block's until its reduce-scatter, the root's
+  until the end of the backward pass; with ``wrap="model"`` the gradients
+  replace the parameters as the backward pass goes, and the largest block's
+  are counted on top), and in **comm** the reduce-scatter buffers of the
+  largest bucket (as for ``fsdp_step``, see
+  :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`);
+* the optimizer step: the gradients divided by ``N`` (**comm**, as large
+  as the gradients, alive until each update) and one array's **new**
+  shard.
+
+Activations are left out, as in the other modes; the README states the
+margin measured against ``mx.get_peak_memory``.
+"""
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .. import layout
+from ..fully_sharded.model import model_plan
+from ..fully_sharded.placement import placement_of
+from ..plan import ROWS, Plan, build_plan, dtype_name
+from ..sharded_state import init_held
+from .buffers import reduce_buffers
+from .sharding import bucket_bytes
+
+#: How the model is wrapped: each block and the root, or the whole model once.
+WRAPS = ("blocks", "model")
+
+
+def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
+    """The units ``fully_shard`` wraps: ``(prefix, indices of their own arrays)``.
+
+    A block is the module at a path's first integer component
+    (``model.layers.3.``, ``blocks.0.``); the root (prefix ``""``) keeps the
+    arrays outside every block, and comes last. ``wrap="model"``: one unit.
+    """
+    if wrap not in WRAPS:
+        raise ValueError(f"wrap={wrap!r} must be one of {', '.join(WRAPS)}.")
+    if wrap == "model":
+        return [("", list(range(len(paths))))]
+    units: Dict[str, List[int]] = {}
+    for i, path in enumerate(paths):
+        parts = path.split(".")
+        at = next((j for j, c in enumerate(parts) if c.isdigit()), None)
+        prefix = "" if at is None else ".".join(parts[:at + 1]) + "."
+        units.setdefault(prefix, []).append(i)
+    root = units.pop("", None)
+    return list(units.items()) + ([("", root)] if root else [])
+
+
+def unit_plan(arrays: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
+              world_size: int, communication_size: int) -> Plan:
+    """The plan of ``fully_shard(module, placement=optimizer)`` over the unit's floating arrays.
+
+    The signature ``FullyShardedModule`` builds: every floating array
+    (frozen ones too), reduced and gathered in its own dtype, placed by the
+    optimizer's needs (rows, or whole on owners).
+    """
+    where = placement_of(optimizer, [(p, a) for p, a in arrays if p in trainable])
+    signature = tuple((p, tuple(a.shape), dtype_name(a.dtype), dtype_name(a.dtype), 0,
+                       where.get(p, ROWS)) for p, a in arrays)
+    return build_plan(signature, world_size, communication_size)
+
+
+class _Group(NamedTuple):
+    """What the step's plan asks of a shard group."""
+
+    n: int
+    r: int
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.r
+
+
+class _Module(NamedTuple):
+    """What the step's plan asks of a ``FullyShardedModule``."""
+
+    plan: Plan
+    group: _Group
+
+
+class Units(NamedTuple):
+    """A model cut into wrapped units, with their plans and rank-independent bytes.
+
+    Attributes:
+        plans (list): ``(prefix, plan, [(local path, array)])`` per unit.
+        trainable (set): The trainable arrays' paths.
+        step (Plan): The step's plan (the same on every rank).
+        gathered (int): Bytes of the full parameters alive at once.
+        full_gradients (int): Bytes of the largest block's or the root's full gradients.
+        communication (int): Reduce-scatter buffers of the largest bucket.
+    """
+
+    plans: list
+    trainable: set
+    step: Plan
+    gathered: int
+    full_gradients: int
+    communication: int
+
+
+def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
+        world_size: int, communication_size: int, wrap: str, reshard_after_forward: bool,
+        method: str) -> Units:
+    """The units of a model and what its forward and backward pass keep alive.
+
+    Args:
+        flat (list): ``(path, array)`` of every floating array (shape-only).
+        trainable (list[str]): The paths among them that are trained.
+        optimizer: The optimizer (decides owner placement).
+        world_size (int): Ranks.
+        communication_size (int): Each unit's bucket budget.
+        wrap (str): ``"blocks"`` or ``"model"``.
+        reshard_after_forward (bool): As the blocks' ``fully_shard`` argument.
+        method (str): The reduce-scatter (``"native"``, ``"exchange"``, ``"all_sum"``).
+    """
+    trained = set(trainable)
+    plans, gathered = [], []
+    for prefix, indices in split([p for p, _ in flat], wrap):
+        own = [(flat[i][0][len(prefix):], flat[i][1]) for i in indices]
+        plan = unit_plan(own, [p for p, _ in own if prefix + p in trained], optimizer,
+                         world_size, communication_size)
+        plans.append((prefix, plan, own))
+        gathered.append((prefix, sum(a.nbytes for _, a in own)))
+    blocks = [g for prefix, g in gathered if prefix]
+    if reshard_after_forward and wrap == "blocks" and blocks:
+        alive = sum(g for prefix, g in gathered if not prefix) + max(blocks)
+    else:
+        alive = sum(g for _, g in gathered)
+    grads = [sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
+             for _, indices in split([p for p, _ in flat], "blocks")]
+    comm = max((reduce_buffers(bucket_bytes(b, [a for _, a in own], world_size, 0), method)
+                for _, plan, own in plans for b in plan.buckets), default=0)
+    # Every rank builds the same step plan; rank 0's gradients' shapes are checked.
+    flat_grads = _held(plans, trained, 0)[3]
+    modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
+    step = model_plan(flat_grads, [a for _, a in flat_grads], optimizer, world_size, 0, None,
+                      modules)
+    return Units(plans, trained, step, alive, max(grads, default=0), comm)
+
+
+def _held(plans, trained: set, rank: int):
+    """``rank``'s parameter and gradient bytes, its largest gradient, and its gradients
+    (shape-only, by their paths in the wrapped model, in the step plan's order)."""
+    params = grads = largest = 0
+    flat_grads = []
+    for prefix, plan, own in plans:
+        arrays = [a for _, a in own]
+        for b in plan.buckets:
+            for s, a in layout.held_of(b, arrays, rank):
+                params += a.nbytes
+                if prefix + s.path in trained:
+                    grads += a.nbytes
+                    largest = max(largest, a.nbytes)
+            flat_grads += [(f"{prefix}module.{s.path}",
+                            mx.zeros(layout.held_shape(b, s, rank), arrays[s.index].dtype))
+                           for s in b.slots if prefix + s.path in trained]
+    return params, grads, largest, flat_grads
+
+
+def rank_bytes(units: Units, optimizer, rank: int,
+               master_dtype: Optional[mx.Dtype]) -> Dict[str, object]:
+    """What ``rank`` holds: parameters, gradients, optimizer state, masters, largest piece.
+
+    Returns:
+        dict: ``"parameters"``, ``"gradients"``, ``"largest"`` (bytes) and
+        ``"optimizer"``, ``"master"`` (the state trees, shape-only).
+    """
+    params, grads, largest, flat_grads = _held(units.plans, units.trainable, rank)
+    masters: dict = {}
+    init_held(units.step, optimizer, [a for _, a in flat_grads], rank, masters, master_dtype)
+    return {"parameters": params, "gradients": grads, "largest": largest,
+            "optimizer": optimizer.state, "master": masters}

@@ -1,0 +1,124 @@
+"""What the planner prints: the header, a table and verdicts per optimizer, or the largest fits."""
+
+from . import fit, shapes
+from .buffers import BACKENDS, default_communication_size
+from .report import LABELS, describe, gib, table, verdicts
+
+
+def render(model: shapes.Model, args, results, needed, resharded) -> str:
+    """The terminal report: a header, then a table and verdicts per optimizer."""
+    first = results[args.optimizer[0]][0].fullest
+    dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
+    out = [
+        f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
+        f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
+        f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
+        f"{_buckets(args)}",
+        f"masters {args.master_dtype}, accumulation {args.accumulation}"
+        + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
+    ] + header_tail(args)
+    for name in args.optimizer:
+        out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
+        out += verdicts(results[name], args.memory) + compare(results[name],
+                                                              resharded.get(name))
+        if needed:
+            out.append(_needed_line(results[name], needed, name, args.memory))
+    return "\n".join(out)
+
+
+def header_tail(args) -> list:
+    """The header's last lines: how fully_shard wraps the model, and what the columns are."""
+    out = []
+    if "fully_shard" in args.mode:
+        how = ("every block (the module at a path's first integer, e.g. model.layers.3) "
+               "and the rest of the model" if args.wrap == "blocks" else "the whole model once")
+        out.append(f"fully_shard: {how}; reshard_after_forward "
+                   f"{'on' if args.reshard_after_forward else 'off'}")
+    out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step"
+               + (" or fully_shard's forward and backward pass (gathered, full grads), "
+                  "whichever is fuller," if "fully_shard" in args.mode else ",")
+               + " without activations and the optimizer's arithmetic temporaries")
+    return out
+
+
+def compare(rows, resharded=None) -> list:
+    """What fully sharding saves at the largest N: parameters and gradients, against
+    fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers."""
+    by = {(r.mode, r.world_size): r.fullest for r in rows}
+    n = max(r.world_size for r in rows)
+    if ("fully_shard", n) not in by or n == 1:
+        return []
+    fs = by["fully_shard", n]
+    line = (f"fully_shard at N={n}: parameters + gradients {gib(fs.parameters + fs.gradients)} "
+            "GiB per rank")
+    if ("fsdp", n) in by:
+        line += f" (fsdp_step: {gib(by['fsdp', n].parameters + by['fsdp', n].gradients)})"
+    if fs.gathered:
+        line += f", plus {gib(fs.gathered)} GiB gathered at once"
+    out = [line]
+    if resharded is not None:
+        r = resharded.fullest
+        out.append(f"  with --reshard-after-forward (the root and one block gathered at a time): "
+                   f"gathered {gib(r.gathered)} GiB, peak {gib(r.peak)} GiB")
+    return out
+
+
+def _reduce_scatter(backend: str) -> str:
+    if BACKENDS[backend] == "native":
+        return "native reduce-scatter"
+    return "reduce-scatter by exchange at N=2, by all-sum above"
+
+
+def _buckets(args) -> str:
+    """The bucket budgets used: the one given, or each wrapper's default on the device."""
+    mib = lambda n: f"{n / 1024**2:g} MiB"  # noqa: E731
+    if args.communication_size is not None:
+        return f"buckets {mib(args.communication_size)}"
+    sizes = {mode: default_communication_size(mode, args.device) for mode in args.mode}
+    where = "the CPU" if args.device == "cpu" else "a GPU"
+    return ("buckets " + ", ".join(f"{LABELS[mode]} {mib(n)}" for mode, n in sizes.items())
+            + f" (the wrappers' defaults on {where})")
+
+
+def _needed_line(rows, needed: dict, name: str, memory: int) -> str:
+    ddp = [str(r.world_size) for r in rows if r.mode == "ddp" and r.fits(memory)]
+    parts = []
+    if any(r.mode == "ddp" for r in rows):
+        parts.append(f"DDP fits at N={','.join(ddp)}" if ddp else "DDP does not fit")
+    for mode, by_name in needed.items():
+        n, why = by_name[name]["world_size"], by_name[name]["why"]
+        parts.append(f"{LABELS[mode]} fits from N={n}" if n is not None
+                     else f"{LABELS[mode]} does not fit: {why}")
+    return f"In {gib(memory)} GiB: " + "; ".join(parts)
+
+
+def render_fit(fields: dict, args, fits: dict) -> str:
+    """The largest model per optimizer, mode and N: its layers, parameters and breakdown."""
+    # The width as shapes.llama names it, without its layer count.
+    width = shapes.llama(layers=1, **fields).name.replace(", 1 layers", "")
+    out = [
+        f"Largest {width}{' (tied head)' if fields['tie'] else ''} in {gib(args.memory)} GiB "
+        f"per rank, the layer count grown: {fields['dtype']}, "
+        f"{fit.layer_parameters(fields) / 1e6:.1f}M parameters a layer",
+        f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
+        f"{_buckets(args)}",
+        f"masters {args.master_dtype}, accumulation {args.accumulation}",
+    ] + header_tail(args)
+    for name in args.optimizer:
+        found = fits[name]
+        lead = (["layers", "parameters"],
+                [[(">=" if f.at_least else "") + str(f.layers),
+                  _count(f.parameters) if f.layers else "-"] for f in found])
+        out += ["", f"{name}: {describe(name)}",
+                table([f.row for f in found], args.memory, lead)]
+        for n in sorted({f.row.world_size for f in found}):
+            parts = [f"{LABELS[f.row.mode]} " + (
+                f"{f.layers} layer{'s' * (f.layers > 1)}, {_count(f.parameters)} parameters"
+                if f.layers else f"not one layer ({gib(f.row.fullest.peak)} GiB)")
+                for f in found if f.row.world_size == n]
+            out.append(f"N={n}: " + "; ".join(parts))
+    return "\n".join(out)
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
