@@ -46,12 +46,17 @@ def cost(shape: Tuple[int, ...]) -> int:
     return _prod(shape)
 
 
-def assign(arrays: Sequence[Tuple[str, Tuple[int, ...], int]], n: int) -> Dict[str, int]:
+def assign(arrays: Sequence[Tuple[str, Tuple[int, ...], int]], n: int,
+           start: Sequence[Tuple[int, int]] = ()) -> Dict[str, int]:
     """Owner ranks by a deterministic longest-processing-time greedy.
 
     Args:
         arrays (list): ``(path, shape, itemsize)`` of every owner-placed array.
         n (int): Number of ranks.
+        start (list, optional): ``(cost, bytes)`` each rank already owns (of
+            modules wrapped before, with :func:`mlx_fsdp.fully_shard`), so
+            that one module after the other balances the whole model.
+            Default: none.
 
     Returns:
         dict: ``{path: rank}``.
@@ -59,7 +64,7 @@ def assign(arrays: Sequence[Tuple[str, Tuple[int, ...], int]], n: int) -> Dict[s
     keyed = sorted(
         (-cost(shape), -_prod(shape) * itemsize, path) for path, shape, itemsize in arrays
     )
-    loads = [(0, 0, r) for r in range(n)]
+    loads = [(*(start[r] if start else (0, 0)), r) for r in range(n)]
     owner = {}
     for neg_cost, neg_bytes, path in keyed:
         c, b, r = min(loads)

@@ -237,7 +237,8 @@ def _row_buckets(entries, n, itemsize, budget):
 
 
 @functools.lru_cache(maxsize=64)
-def build_plan(signature: Signature, world_size: int, communication_size: int) -> Plan:
+def build_plan(signature: Signature, world_size: int, communication_size: int,
+               owner_loads: tuple = ()) -> Plan:
     """Build (or fetch from the cache) the plan for a tree signature.
 
     Arrays are grouped by (sub-optimizer, gradient dtype, parameter dtype,
@@ -254,6 +255,9 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
         world_size (int): Number of ranks to shard over.
         communication_size (int): Byte budget of a bucket; ``<= 0`` puts every
             array in a bucket of its own.
+        owner_loads (tuple, optional): ``(cost, bytes)`` per rank that owner
+            placement starts from (see :func:`mlx_fsdp.owners.assign`).
+            Default: ``()`` (nothing owned yet).
 
     Returns:
         Plan: The plan.
@@ -270,7 +274,7 @@ def build_plan(signature: Signature, world_size: int, communication_size: int) -
         [(path, shape, getattr(mx, dtype).size)
          for (_, dtype, _, where), entries in groups.items() if where == OWNER
          for _, path, shape in entries],
-        world_size,
+        world_size, owner_loads,
     )
     buckets = []
     for (optimizer, dtype, param_dtype, where), entries in groups.items():

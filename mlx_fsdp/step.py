@@ -107,7 +107,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         if finish is False:
             return None, None, plan
     replicas = opts.world_size // n
-    held = {p: g / ((replicas if p in averaged else opts.world_size) * k) for p, g in held.items()}
+    # (A gradient the model averaged is not divided by 1: that would copy it.)
+    held = {p: g if p in averaged and replicas * k == 1 else
+            g / ((replicas if p in averaged else opts.world_size) * k) for p, g in held.items()}
 
     # -- clip by the global norm: every element is held by exactly one rank
     norm = None

@@ -52,6 +52,11 @@ def test_fully_sharded_training_matches_ddp_step(n):
             # 1/N of the parameters and of the optimizer state, plus padding rows
             assert r["max_params_ratio"] <= 1 / n + 0.06, r
             assert r["state_ratio"] <= 1 / n + 0.06, r
+        elif r["config"].startswith(("muon", "adafactor")):
+            # Whole arrays on owners, balanced over the whole model (each
+            # layer's own balance put every layer's largest matrix on rank 0:
+            # 0.90 of the parameters there at N=3 and N=4)
+            assert r["max_params_ratio"] <= (0.55 if n == 2 else 0.45), r
 
 
 @pytest.mark.parametrize("n, backend", [(2, "ring"), (3, "mpi")])

@@ -18,10 +18,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import collectives, control, layout
 from ..accumulate import is_traced
 from ..order import CollectiveOrder
-from ..plan import Plan, ROWS, build_plan, dtype_name
+from ..plan import Plan
 from ..rows import row_size
 from .gather import gather_buckets, make_gather
-from .placement import placement_of
+from .placement import module_plan, owned_loads
 from .remat import remat
 
 #: Every live FullyShardedModule, so that a step can tell shards from full arrays.
@@ -62,12 +62,15 @@ class FullyShardedModule(nn.Module):
         trainable = {p for p, _ in tree_flatten(module.filter_and_map(_own_trainable))}
         flat = [(p, a) for p, a in tree_flatten(module.filter_and_map(_own))
                 if mx.issubdtype(a.dtype, mx.floating)]
-        where = placement_of(placement, [(p, a) for p, a in flat if p in trainable])
-        signature = tuple(
-            (p, tuple(a.shape), dtype_name(reduce_dtype or compute_dtype or a.dtype),
-             dtype_name(compute_dtype or a.dtype), 0, where.get(p, ROWS))
-            for p, a in flat)
-        plan = build_plan(signature, n, communication_size) if flat else Plan(n, 0, ())
+        # Owners continue the balance of the fully sharded modules alive in
+        # this process (every block's largest matrix would otherwise go to
+        # rank 0); every rank wraps the same modules, so they agree.
+        loads = ()
+        for m in list(LIVE.values()):
+            if m.group.size() == n:
+                loads = owned_loads(m.plan, loads)
+        plan = module_plan(flat, trainable, placement, n, communication_size, compute_dtype,
+                           reduce_dtype, loads)
         control.agree(group, "fully_shard", {"plan": plan.fingerprint,
                                              "reshard_after_forward": reshard_after_forward},
                       stream=communication_stream,

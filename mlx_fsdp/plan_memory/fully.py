@@ -4,8 +4,8 @@ The model is wrapped per block and at the root (``wrap="blocks"``: every
 module at a path's first integer component, e.g. ``model.layers.3``, then
 the whole model for what is left: embeddings, final norm, head), or once as
 a whole (``wrap="model"``). Each wrapped module (a *unit*) keeps what its
-own plan gives this rank (:func:`unit_plan`, the rule of
-:class:`mlx_fsdp.FullyShardedModule`): the axis-0 slice of every parameter,
+own plan gives this rank (the rule of :class:`mlx_fsdp.FullyShardedModule`,
+:func:`mlx_fsdp.fully_sharded.placement.module_plan`): the axis-0 slice of every parameter,
 ``ceil(rows / N)`` rows, or, for an optimizer that needs whole arrays
 (Muon, Adafactor; ``placement=optimizer``), whole arrays on owner ranks.
 The step's state comes from the step's own plan
@@ -43,8 +43,8 @@ import mlx.core as mx
 
 from .. import layout
 from ..fully_sharded.model import model_plan
-from ..fully_sharded.placement import placement_of
-from ..plan import ROWS, Plan, build_plan, dtype_name
+from ..fully_sharded.placement import module_plan, owned_loads
+from ..plan import Plan
 from ..sharded_state import init_held
 from .buffers import reduce_buffers
 from .sharding import bucket_bytes
@@ -72,20 +72,6 @@ def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[in
         units.setdefault(prefix, []).append(i)
     root = units.pop("", None)
     return list(units.items()) + ([("", root)] if root else [])
-
-
-def unit_plan(arrays: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
-              world_size: int, communication_size: int) -> Plan:
-    """The plan of ``fully_shard(module, placement=optimizer)`` over the unit's floating arrays.
-
-    The signature ``FullyShardedModule`` builds: every floating array
-    (frozen ones too), reduced and gathered in its own dtype, placed by the
-    optimizer's needs (rows, or whole on owners).
-    """
-    where = placement_of(optimizer, [(p, a) for p, a in arrays if p in trainable])
-    signature = tuple((p, tuple(a.shape), dtype_name(a.dtype), dtype_name(a.dtype), 0,
-                       where.get(p, ROWS)) for p, a in arrays)
-    return build_plan(signature, world_size, communication_size)
 
 
 class _Group(NamedTuple):
@@ -144,11 +130,13 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         method (str): The reduce-scatter (``"native"``, ``"exchange"``, ``"all_sum"``).
     """
     trained = set(trainable)
-    plans, gathered = [], []
+    plans, gathered, loads = [], [], ()
     for prefix, indices in split([p for p, _ in flat], wrap):
         own = [(flat[i][0][len(prefix):], flat[i][1]) for i in indices]
-        plan = unit_plan(own, [p for p, _ in own if prefix + p in trained], optimizer,
-                         world_size, communication_size)
+        # fully_shard's own rule, owners balanced over the units as it balances them
+        plan = module_plan(own, [p for p, _ in own if prefix + p in trained], optimizer,
+                           world_size, communication_size, owner_loads=loads)
+        loads = owned_loads(plan, loads)
         plans.append((prefix, plan, own))
         gathered.append((prefix, sum(a.nbytes for _, a in own)))
     blocks = [g for prefix, g in gathered if prefix]
