@@ -109,11 +109,14 @@ def test_state_bytes_one_quarter_at_n4():
     assert r["fsdp_state"] <= r["ddp_state"] * (1 / 4 + 0.02), r
 
 
-def test_hybrid_shard_by_replica_on_mpi_4():
-    (r,) = run_ranks(4, "hybrid.py")
-    assert (r["shard_size"], r["replica_size"]) == (2, 2)
+@pytest.mark.parametrize("fully", [False, True])
+def test_hybrid_shard_by_replica_on_mpi_4(fully):
+    # fully: fully_shard(group=shard) too; the step all-sums the shards over the replicas
+    (r,) = run_ranks(4, "hybrid.py", ["fully"] if fully else [])
+    assert (r["shard_size"], r["replica_size"]) == (2, 2) and r["fully"] == fully
     assert r["max_diff"] <= F32_TOL, r
-    assert r["state_fraction"] < 0.55, r
+    assert r["state_fraction"] < 0.56, r
+    assert (r["sharded_buckets"] > 0) == fully, r
 
 
 def test_hybrid_on_ring_says_split_is_missing():

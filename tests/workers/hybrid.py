@@ -1,11 +1,15 @@
 """Hybrid sharding: shard over groups of 2 ranks, replicate across them.
 
-Usage: hybrid.py   (4 ranks on MPI; on ring it reports the split error)
+Usage: hybrid.py [fully]   (4 ranks on MPI; on ring it reports the split error)
+
+``fully`` shards the parameters too: every layer, then the model, with
+``fully_shard(group=shard)``.
 """
 
 from common import OPTIMIZERS, averaged_grads, batch, loss_fn, make_model, max_diff, reference_clip, report
 
 import gc
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +26,11 @@ except RuntimeError as e:
     raise SystemExit(0)
 
 model, ref_model = make_model(bf16=False), make_model(bf16=False)
+fully = sys.argv[1:] == ["fully"]
+if fully:
+    for name in ("inp", "wide", "table", "out"):
+        setattr(model, name, mlx_fsdp.fully_shard(getattr(model, name), group=shard))
+    model = mlx_fsdp.fully_shard(model, group=shard)
 opt = mlx_fsdp.fsdp_step(OPTIMIZERS["adam"](), group=shard, dp_group=replica,
                          communication_size=512, max_norm=0.5)
 ref = OPTIMIZERS["adam"]()
@@ -32,11 +41,13 @@ for step in range(4):
     g, _ = reference_clip(averaged_grads(ref_model, step, n), 0.5)
     ref.update(ref_model, g)
     mx.eval(model.parameters(), ref_model.parameters(), opt.state, ref.state)
-    worst = max(worst, max_diff(model.parameters(), ref_model.parameters()))
+    whole = mlx_fsdp.full_parameters(model) if fully else model.parameters()
+    worst = max(worst, max_diff(whole, ref_model.parameters()))
 state_elems = sum(v.size for _, v in tree_flatten(opt.state["optimizer"]) if v.ndim)
 ref_elems = sum(v.size for _, v in tree_flatten(ref.state) if v.ndim)
 report(world, n=n, shard_size=shard.size(), replica_size=replica.size(), max_diff=worst,
-       state_fraction=state_elems / ref_elems)
+       state_fraction=state_elems / ref_elems, fully=fully,
+       sharded_buckets=sum(b.sharded_params for b in opt.plan.buckets))
 # On MPI a split group freed after MPI_Finalize aborts: drop them first.
-del opt, shard, replica
+del opt, model, shard, replica
 gc.collect()
