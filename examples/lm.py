@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx_fsdp  # noqa: E402
 
 VOCAB = 256
-MODES = ("ddp", "fsdp")
+MODES = ("ddp", "fsdp", "fully_shard")
 OPTIMIZERS = ("adamw", "muon", "sgd", "adafactor", "lion")
 #: Learning rate used when --learning-rate is not given.
 DEFAULT_LR = {"adamw": 3e-3, "muon": 3e-3, "sgd": 0.1, "adafactor": 3e-3, "lion": 3e-4}
@@ -202,14 +202,37 @@ def loss_fn(model, x, y):
     return nn.losses.cross_entropy(logits, y, reduction="mean")
 
 
-def make_model(args) -> ByteGPT:
-    """The model of ``args``, initialized from ``--seed`` (the same on every rank)."""
+def make_model(args, evaluate: bool = True) -> ByteGPT:
+    """The model of ``args``, initialized from ``--seed`` (the same on every rank).
+
+    With ``evaluate=False`` the parameters stay lazy, so that ``fully_shard``
+    materializes one module's full parameters at a time (MLX's random
+    initializers draw their keys when the model is built: the values are the
+    same either way).
+    """
     mx.random.seed(args.seed)
     model = ByteGPT(args.dims, args.layers, args.heads, args.seq_len)
     if args.dtype == "bfloat16":
         model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
     return model
+
+
+def fully_shard_model(model: ByteGPT, args, group, optimizer) -> nn.Module:
+    """Each block, then the whole model, wrapped with ``mlx_fsdp.fully_shard``.
+
+    ``placement=optimizer`` keeps the matrices Muon orthogonalizes (and every
+    array Adafactor factors) whole on owner ranks; element-wise optimizers'
+    arrays are split by rows.
+    """
+    kwargs = {"group": group, "placement": optimizer}
+    if args.communication_size is not None:
+        kwargs["communication_size"] = args.communication_size
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = mlx_fsdp.fully_shard(
+            block, reshard_after_forward=args.reshard_after_forward, **kwargs)
+    return mlx_fsdp.fully_shard(model, **kwargs)
 
 
 def num_params(model) -> int:
@@ -257,6 +280,10 @@ def add_training_args(p: argparse.ArgumentParser):
     g.add_argument("--communication-size", type=parse_size, default=None,
                    help="bucket size, e.g. 32MiB or 1048576 (default: each wrapper's own: "
                    "fsdp_step 4MiB on the CPU and 32MiB on a GPU, ddp_step 32MiB)")
+    g.add_argument("--reshard-after-forward", action="store_true",
+                   help="with --mode fully_shard: free each block's gathered parameters after its "
+                   "forward pass and recompute the block in the backward pass (less memory, "
+                   "more compute)")
     g.add_argument("--timeout", type=float, default=300.0,
                    help="a rank that waits this many seconds in a collective prints where and "
                    "exits with code 124, so the launcher stops the job; 0 disables (default 300)")
@@ -346,6 +373,11 @@ def describe_rates(args) -> str:
     return f"{args.optimizer} lr {args.learning_rate:g}"
 
 
+def describe_model(args) -> str:
+    """The model's size for a header line: ``dims 256, 4 layers``."""
+    return f"dims {args.dims}, {plural(args.layers, 'layer')}"
+
+
 def plural(count: int, noun: str, suffix: str = "s") -> str:
     """``"1 rank"``, ``"2 ranks"``."""
     return f"{count} {noun}{'' if count == 1 else suffix}"
@@ -378,7 +410,8 @@ def make_optimizer(args) -> optim.Optimizer:
 
 
 def distributed_optimizer(mode: str, args, group):
-    """``make_optimizer(args)`` wrapped by ``mlx_fsdp.fsdp_step`` or ``ddp_step``.
+    """``make_optimizer(args)`` wrapped by ``mlx_fsdp.fsdp_step`` (modes ``fsdp`` and
+    ``fully_shard``) or ``ddp_step``.
 
     Options that keep their default are not passed, so the call stays the
     plain one the package has always accepted.
@@ -392,11 +425,11 @@ def distributed_optimizer(mode: str, args, group):
         kwargs["communication_size"] = args.communication_size
     if args.grad_accumulation_steps > 1:
         kwargs["grad_accumulation_steps"] = args.grad_accumulation_steps
-        if mode == "fsdp":
+        if mode != "ddp":
             kwargs["accumulation"] = args.accumulation
     if args.dtype == "bfloat16":
         kwargs["master_dtype"] = mx.float32
-    wrap = mlx_fsdp.fsdp_step if mode == "fsdp" else mlx_fsdp.ddp_step
+    wrap = mlx_fsdp.ddp_step if mode == "ddp" else mlx_fsdp.fsdp_step
     return wrap(make_optimizer(args), **kwargs)
 
 
@@ -462,7 +495,8 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
     another schedule. Every rank must call this (the loss is all-summed every step).
 
     Args:
-        mode (str): ``"ddp"`` or ``"fsdp"``.
+        mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"`` (parameters
+            sharded too: see :func:`fully_shard_model`).
         args (argparse.Namespace): The training flags.
         data (numpy.ndarray): The corpus bytes, the same on every rank.
         group (mlx.core.distributed.Group): The data-parallel group.
@@ -482,8 +516,11 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
     mx.clear_cache()
     mx.reset_peak_memory()
 
-    model = make_model(args)
+    model = make_model(args, evaluate=mode != "fully_shard")
+    params = num_params(model)
     opt = distributed_optimizer(mode, args, group)
+    if mode == "fully_shard":
+        model = fully_shard_model(model, args, group, opt.optimizer)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     rates = schedules(args)
 
@@ -504,7 +541,7 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
 
     tokens_per_step = args.batch_size * args.seq_len * k
     out = {"loss": [], "step_ms": [], "tokens_per_s": [], **{k.replace(" ", "_"): [] for k in rates},
-           "params": num_params(model), "first_step": start}
+           "params": params, "first_step": start}
     for step in range(start, args.steps):
         tic = time.perf_counter()
         total = mx.array(0.0)
@@ -541,6 +578,9 @@ def train(mode: str, args, data: np.ndarray, group, *, checkpoint_dir=None, tag:
                 print(f"[{tag}] saved {path}", flush=True)
 
     out["state_bytes"] = state_bytes(opt)
+    # What this rank holds of the parameters (all of them unless fully sharded), max over ranks.
+    out["param_bytes"] = int(_max_over_ranks(
+        float(sum(v.nbytes for _, v in tree_flatten(model.parameters()))), group))
     out["peak_memory"] = int(_max_over_ranks(float(mx.get_peak_memory()), group))
     # Drop the optimizer (it may hold split groups) before the caller moves on.
     del opt, model, loss_and_grad

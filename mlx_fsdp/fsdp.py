@@ -23,7 +23,9 @@ class ShardedOptimizer(DistributedOptimizer):
 
     Create it with :func:`fsdp_step`. Every rank keeps the full model; the
     gradients are reduce-scattered, each rank updates its shard with the
-    wrapped optimizer, and the updated shards are all-gathered.
+    wrapped optimizer, and the updated shards are all-gathered. The
+    parameters of modules wrapped with :func:`mlx_fsdp.fully_shard` are
+    shards already, with their gradients reduced: those are updated in place.
 
     The wrapped optimizer's state holds, for each sub-optimizer,
     ``state[path]``: the state of what this rank holds of the array at
@@ -180,6 +182,11 @@ def fsdp_step(
     together with the forward and backward pass. Every step first checks,
     with one small all-gather, that every rank takes the same step with the
     same plan and settings.
+
+    On a model whose modules are wrapped with :func:`mlx_fsdp.fully_shard`
+    (parameters sharded too), the gradients of those modules arrive reduced
+    and shaped like the shards; the step updates them in place, with no
+    reduce-scatter or all-gather of its own, and every option below works.
 
     Element-wise optimizers (SGD, RMSprop, Adagrad, AdaDelta, Adam, AdamW,
     Adamax, Lion, and Muon on 0-D/1-D arrays) update this rank's shard of

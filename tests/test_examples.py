@@ -27,7 +27,7 @@ import lm  # noqa: E402
 TINY = ["--batch-size", 4, "--seq-len", 16, "--dims", 16, "--layers", 1, "--heads", 2,
         "--max-data-bytes", "256KiB", "--log-every", 1]
 PROGRESS = re.compile(
-    r"^\[(ddp|fsdp)\] step\s+(\d+) \| loss\s+(\S+) \|\s+(\d+) tok/s \|\s+(\S+) ms/step \| "
+    r"^\[(ddp|fsdp|fully_shard)\] step\s+(\d+) \| loss\s+(\S+) \|\s+(\d+) tok/s \|\s+(\S+) ms/step \| "
     r"peak\s+(\S+) MiB \| lr (\S+)(?: \| muon lr (\S+))?$"
 )
 
@@ -123,6 +123,28 @@ def test_train_features_match_ddp_on_two_ranks(flags):
         assert math.isfinite(b[1]) and abs(a[1] - b[1]) <= tol, (a, b)
 
 
+@pytest.mark.parametrize("n, flags", [
+    (2, []),
+    (3, ["--optimizer", "muon", "--reshard-after-forward", "--max-norm", "1", "--batch-size", 6]),
+])
+def test_fully_sharded_training_matches_ddp(n, flags):
+    # Every block, then the model, wrapped with fully_shard: the same losses as DDP
+    args = ["--steps", 3, *TINY, "--layers", 2, *flags]
+    ddp = progress(run_script(1, "examples/train.py", [*args, "--mode", "ddp"]))["ddp"]
+    fully = progress(run_script(n, "examples/train.py", [*args, "--mode", "fully_shard"]))
+    assert [r[0] for r in fully["fully_shard"]] == [1, 2, 3]
+    for a, b in zip(ddp, fully["fully_shard"]):
+        assert math.isfinite(b[1]) and abs(a[1] - b[1]) <= 2e-4, (a, b)
+
+
+def test_checkpoint_round_trip_example_loads_a_fully_sharded_model_unsharded(tmp_path):
+    saved = run_script(2, "examples/checkpoint_round_trip.py", ["save", tmp_path / "ck"])
+    loaded = run_script(1, "examples/checkpoint_round_trip.py", ["load", tmp_path / "ck"])
+    norm = re.compile(r"step 1, \|weights\|\^2 = (\S+)")
+    assert norm.search(saved).group(1) == norm.search(loaded).group(1), (saved, loaded)
+    assert "model-00001-of-00002.safetensors" in os.listdir(tmp_path / "ck")
+
+
 def test_muon_logs_both_rates_down_to_the_floor():
     # One process: the header and the progress lines are rank 0's either way.
     out = run_script(1, "examples/train.py", ["--steps", 3, "--warmup-steps", 1, *TINY,
@@ -193,16 +215,22 @@ def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
     assert res["ddp_repeat"]["loss"] == res["ddp"]["loss"]
     assert res["noise_floor"] == 0 and res["tolerance"] == 1e-3
     assert res["limit"] == 1e-3 and res["limit_source"] == "tolerance" and res["within"] is True
-    for mode in ("ddp", "fsdp", "ddp_repeat"):
+    for mode in ("ddp", "fsdp", "fully_shard", "ddp_repeat"):
         run = res[mode]
         assert len(run["loss"]) == len(run["step_ms"]) == steps
         assert all(math.isfinite(v) for v in run["loss"]) and min(run["step_ms"]) > 0
         assert run["peak_memory"] > 0 and run["loss"][-1] < run["loss"][0] - 0.5
-    assert all(abs(d - f) <= 1e-3 for d, f in zip(res["ddp"]["loss"], res["fsdp"]["loss"]))
-    assert res["fsdp"]["state_bytes"] <= res["ddp"]["state_bytes"] * (0.5 + 0.02)
-    assert re.search(r"^\| fsdp \| [\d.]+ \| [\d.]+ \|", out, re.M), out
+    for mode in ("fsdp", "fully_shard"):
+        assert all(abs(d - f) <= 1e-3 for d, f in zip(res["ddp"]["loss"], res[mode]["loss"]))
+        assert res[mode]["state_bytes"] <= res["ddp"]["state_bytes"] * (0.5 + 0.02)
+        assert re.search(rf"^\| {mode} \| [\d.]+ \| [\d.]+ \|", out, re.M), out
+    # Only fully_shard shards the parameters themselves.
+    assert res["fsdp"]["param_bytes"] == res["ddp"]["param_bytes"]
+    assert res["fully_shard"]["param_bytes"] <= res["ddp"]["param_bytes"] * (0.5 + 0.02)
     assert "DDP vs FSDP on 2 ranks:" in out
     assert "max |FSDP - DDP| loss over all steps" in out and "within 0.001" in out
+    assert "max |fully sharded - DDP| loss over all steps" in out
+    assert re.search(r"fully sharded / DDP: parameters 0\.5\d\dx, optimizer state", out), out
     assert ("noise floor, max |DDP - DDP| loss of two DDP runs with the same seed: 0.00e+00; "
             "FSDP judged against the tolerance 0.001 (larger than the noise floor)") in out
     try:
@@ -275,11 +303,13 @@ def test_bench_step_sweep_two_ranks(tmp_path):
     assert f"| {res['results'][0]['device']} | MLP 2x48, batch 32 | 4.7k | bfloat16 | 1 KiB |" in out
 
 
-def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
+def test_bench_step_times_the_example_gpt_the_update_hold_and_fully_sharded_rows(tmp_path):
     out = run_script(2, "benchmarks/bench_step.py",
                      ["--model", "gpt", "--dims", 16, "--heads", 2, "--layers", 1, "--seq-len", 8,
                       "--batch", 2, "--steps", 2, "--warmup", 1, "--communication-size", "32MiB",
-                      "--dtype", "float32", "--cpu", "--json", tmp_path / "g.json"])
+                      "--dtype", "float32", "--cpu", "--json", tmp_path / "g.json",
+                      "--modes", "ddp", "fsdp", "fully_shard", "ddp_checkpoint",
+                      "--wrap", "root", "blocks", "reshard"])
     with open(tmp_path / "g.json") as f:
         res = json.load(f)
     assert res["world_size"] == 2 and res["device"].startswith("cpu")
@@ -308,8 +338,32 @@ def test_bench_step_times_the_example_gpt_and_the_update_hold(tmp_path):
     assert re.search(r"^\| cpu \| GPT 1x16, 2 heads, batch 2x8 \| [\d.]+k \| float32 \| 32 MiB \|"
                      r"( -?[\d.]+ \|){13}$", rows, re.M), out
     # Rank 0 shows its progress (steps and steps/s) on stderr, merged here.
-    # 3 gradients-only steps, then 2 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening).
-    assert re.search(r"\[1/1\] GPT 1x16.*: 17/17 steps, [\d.]+ steps/s", out), out
+    # 3 gradients-only steps, then 6 modes x (3 memory + 1 warm-up + 2 timed + 1 block-opening).
+    assert re.search(r"\[1/1\] GPT 1x16.*: 45/45 steps, [\d.]+ steps/s", out), out
+    # The fully sharded rows (whole model, per block, per block resharded) and DDP with
+    # every block recomputed, timed with the others, in a second table.
+    modes = ["ddp", "fsdp", "fully_shard", "fully_shard_blocks", "fully_shard_reshard",
+             "ddp_checkpoint"]
+    assert row["modes"] == modes
+    for m in modes[2:]:
+        r = row[m]
+        assert r["step_ms_median"] > 0 and len(r["rank0_step_ms"]) == 2
+        # The same steps on the same data as DDP: the same parameters, up to the
+        # clipping norm's summation order (see the script's docstring).
+        assert r["max_param_diff"] < 1e-3
+        assert r["vs"]["time_vs_fsdp"] == pytest.approx(r["step_ms_median"] / f["step_ms_median"])
+        assert r["vs"]["peak_vs_ddp"] == pytest.approx(r["peak_mb"] / d["peak_mb"])
+    for m in modes[2:5]:  # parameters and state sharded: each rank holds about half
+        assert row[m]["params_mb"] < 0.6 * d["params_mb"]
+        assert row[m]["state_mb"] == pytest.approx(f["state_mb"], rel=0.02)
+    assert row["ddp_checkpoint"]["params_mb"] == d["params_mb"] == f["params_mb"]
+    table = out.partition("| mode | step ms | time / sharded step |")[2]
+    for label in ("| DDP |", "| FSDP (sharded step) |", "| fully_shard, root |",
+                  "| fully_shard, per block + root |", "| fully_shard, per block (reshard) + root |",
+                  "| DDP + checkpoint per block |"):
+        assert re.search(r"^\| cpu \| GPT 1x16, 2 heads, batch 2x8 \| [\d.]+k \| float32 \| 32 MiB "
+                         + re.escape(label) + r"( -?[\d.e+-]+ \|){8}( - \|| [\d.e+-]+ \|)$",
+                         table, re.M), (label, out)
 
 
 def test_bench_collectives_two_ranks(tmp_path):

@@ -45,10 +45,11 @@ def plain_paths(model: nn.Module) -> Dict[str, str]:
 def full_parameters(model: nn.Module) -> dict:
     """Every parameter of ``model``, whole, under its plain path (a nested dict).
 
-    A collective: every rank must call it, at the same point. Every rank
-    gets the whole model (one all-gather per bucket of each wrapped module),
-    which must fit in its memory; a model without ``fully_shard`` is
-    returned as its parameters, with no communication.
+    A collective: every rank must call it, at the same point, and it returns
+    once the gathers are done. Every rank gets the whole model (one
+    all-gather per bucket of each wrapped module), evaluated, which must fit
+    in its memory; a model without ``fully_shard`` is returned as its
+    parameters, with no communication.
 
     Args:
         model (mlx.nn.Module): The model.
@@ -67,6 +68,9 @@ def full_parameters(model: nn.Module) -> dict:
                               m.group.rank(), order, m.communication_stream)
         for local, a, dtype in zip(m._paths, full, m._dtypes):
             whole[f"{prefix}module.{local}"] = a.astype(dtype)
+    # Evaluated here, on every rank: left lazy, the all-gathers would run
+    # only where the result is used (rank 0 saving it), and the others hang.
+    mx.eval(list(whole.values()))
     return tree_unflatten([(plain_path(p, prefixes), a) for p, a in whole.items()])
 
 
