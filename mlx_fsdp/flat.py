@@ -13,14 +13,8 @@ order is the plan's, never the memory layout's, so results do not depend on
 how an array happens to be stored.
 """
 
+from math import prod
 from typing import List, Tuple
-
-
-def _size(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
 
 
 def layout(entries, n: int, itemsize: int, budget: int) -> List[Tuple[int, list]]:
@@ -40,7 +34,7 @@ def layout(entries, n: int, itemsize: int, budget: int) -> List[Tuple[int, list]
     """
     groups, current, used = [], [], 0
     for entry in entries:
-        nbytes = _size(entry[2]) * itemsize
+        nbytes = prod(entry[2]) * itemsize
         if current and (budget <= 0 or used + nbytes > budget):
             groups.append(current)
             current, used = [], 0
@@ -53,7 +47,7 @@ def layout(entries, n: int, itemsize: int, budget: int) -> List[Tuple[int, list]
         placed, at = [], 0
         for index, path, shape in group:
             order = "F" if len(shape) == 2 and n > 1 else "C"
-            placed.append((index, path, tuple(shape), _size(shape), at, order))
-            at += _size(shape)
+            placed.append((index, path, tuple(shape), prod(shape), at, order))
+            at += prod(shape)
         out.append((-(-at // n), placed))
     return out

@@ -21,14 +21,8 @@ turn (each owner's arrays in tree order), so that the shards of a bucket stay
 about equally long and padding stays small.
 """
 
+from math import prod
 from typing import Dict, Sequence, Tuple
-
-
-def _prod(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
 
 
 def cost(shape: Tuple[int, ...]) -> int:
@@ -41,9 +35,9 @@ def cost(shape: Tuple[int, ...]) -> int:
         int: ``rows * cols * min(rows, cols)`` for >= 2 dimensions, the size otherwise.
     """
     if len(shape) >= 2:
-        rows, cols = shape[0], _prod(shape[1:])
+        rows, cols = shape[0], prod(shape[1:])
         return rows * cols * min(rows, cols)
-    return _prod(shape)
+    return prod(shape)
 
 
 def assign(arrays: Sequence[Tuple[str, Tuple[int, ...], int]], n: int,
@@ -62,7 +56,7 @@ def assign(arrays: Sequence[Tuple[str, Tuple[int, ...], int]], n: int,
         dict: ``{path: rank}``.
     """
     keyed = sorted(
-        (-cost(shape), -_prod(shape) * itemsize, path) for path, shape, itemsize in arrays
+        (-cost(shape), -prod(shape) * itemsize, path) for path, shape, itemsize in arrays
     )
     loads = [(*(start[r] if start else (0, 0)), r) for r in range(n)]
     owner = {}
@@ -101,7 +95,7 @@ def layout(entries: Sequence[tuple], owner: Dict[str, int], n: int, itemsize: in
     ]
     buckets, current, rows = [], [], [0] * n
     for index, path, shape in order:
-        size, r = _prod(shape), owner[path]
+        size, r = prod(shape), owner[path]
         longest = max(max(rows), rows[r] + size)
         if current and (budget <= 0 or n * longest * itemsize > budget):
             buckets.append((max(rows), current))

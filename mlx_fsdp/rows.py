@@ -14,6 +14,7 @@ the shards gives an ``(N, cols)`` matrix whose column block of an array,
 read row by row, is the array with its padding rows at the end.
 """
 
+from math import prod
 from typing import List, Tuple
 
 #: Layout of one array in a bucket: ``(index, path, shape, size, rows, offset)``,
@@ -28,10 +29,7 @@ def num_rows(shape: Tuple[int, ...]) -> int:
 
 def row_size(shape: Tuple[int, ...]) -> int:
     """Elements per row."""
-    size = 1
-    for d in shape[1:]:
-        size *= d
-    return size
+    return prod(shape[1:])
 
 
 def chunk(shape: Tuple[int, ...], n: int) -> int:
