@@ -58,7 +58,8 @@ _FLAGS = (
         action="store_true",
         help="Also shard the parameters (ZeRO-3): each transformer block, then the model, "
              "is wrapped with mlx_fsdp.fully_shard and gathers its parameters only while "
-             "it runs. Needs --fsdp. Default: off.")),
+             "it runs; --save-every saves each rank's shards, and --resume takes a "
+             "checkpoint saved with or without it. Needs --fsdp. Default: off.")),
     ("--reshard-after-forward", dict(
         action="store_true",
         help="With --fully-shard: free each block's gathered parameters after its forward "
@@ -183,8 +184,7 @@ def main(argv=None):
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # as mlx_lm.lora sets it
     args = parse_args(argv)
     # Before the model loads: a refused combination fails at once.
-    check_options(args.fsdp, bool(args.fully_shard), bool(args.reshard_after_forward),
-                  bool(args.resume))
+    check_options(args.fsdp, bool(args.fully_shard), bool(args.reshard_after_forward))
     with lora_train_replaced(partial(_train, args)):
         run(args)
 

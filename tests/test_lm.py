@@ -165,45 +165,80 @@ def test_cli_equals_mlx_lm_lora(name, ours, reference):
     assert config["fully_shard"] is ("--fully-shard" in RUNS[name][4])
 
 
-def test_cli_saves_sharded_checkpoints(ours):
+def model_shards(checkpoint: str) -> list:
+    """The model shard files in ``checkpoint``: one per rank for a fully sharded model."""
+    return sorted(f for f in os.listdir(checkpoint) if f.startswith("model-"))
+
+
+@pytest.mark.parametrize("name", ["lora", "full-sharded"])
+def test_cli_saves_sharded_checkpoints(name, ours):
+    """Every --save-every and at the end; with --fully-shard each rank writes the parameter
+    rows it holds to its own file, and no file holds a whole trained matrix."""
     from mlx_fsdp.lm.checkpoints import latest
 
-    ckpt = os.path.join(ours["lora"], "checkpoints")
+    ckpt = os.path.join(ours[name], "checkpoints")
     assert sorted(os.listdir(ckpt)) == [f"step-{SAVE_EVERY:07d}", f"step-{ITERS:07d}"]
     assert latest(ckpt).endswith(f"step-{ITERS:07d}")
-    with open(os.path.join(ckpt, f"step-{SAVE_EVERY:07d}", "manifest.json")) as fh:
+    saved = os.path.join(ckpt, f"step-{SAVE_EVERY:07d}")
+    with open(os.path.join(saved, "manifest.json")) as fh:
         manifest = json.load(fh)
     assert manifest["world_size"] == 2
     assert manifest["user"]["iteration"] == SAVE_EVERY
     assert manifest["user"]["batch_size"] == 6
+    if name == "lora":
+        assert model_shards(saved) == []
+        return
+    shards = model_shards(saved)
+    assert shards == [f"model-0000{r}-of-00002.safetensors" for r in range(2)]
+    whole = mx.load(os.path.join(ours[name], f"{SAVE_EVERY:07d}_adapters.safetensors"))
+    for file in shards:
+        held = mx.load(os.path.join(saved, file))
+        assert held and all(held[k].size < whole[k].size for k in held if whole[k].ndim == 2)
 
 
-# Dropout masks are drawn per rank for the rank's own rows, so a run with dropout
-# depends on N: it resumes at N=2, which checks that MLX's random key carries over.
-@pytest.mark.parametrize("name,n,extra", [("lora", 3, []), ("lora", 1, ["--no-fsdp"]),
-                                          ("dropout", 2, [])])
-def test_resume(name, n, extra, files, ours, tmp_path):
-    """Saved by fsdp_step at N=2 after iteration 4 (mid-pass), resumed at N=3 (MPI), at N=1
-    under ddp_step, or at N=2: the run ends where the uninterrupted N=2 run ends."""
-    path = str(tmp_path / name)
-    shutil.copytree(ours[name], path)
-    shutil.rmtree(os.path.join(path, "checkpoints", f"step-{ITERS:07d}"))
-    out = launch(n, "lm_cli.py", flags(files, name, path) + RUNS[name][4] + extra + ["--resume"])
-    assert f"iteration {SAVE_EVERY} of {ITERS}" in out
-    assert_same_losses(read_log(path), read_log(ours[name]), resumed_at=SAVE_EVERY)
-    for file in ("adapters.safetensors", f"{ITERS:07d}_adapters.safetensors"):
-        assert_same_weights(os.path.join(path, file), os.path.join(ours[name], file))
+# Resumed from the N=2 runs of `ours` after iteration 4 (mid-pass), one launch per N:
+# {N: [(run, flags of ours for the resumed run), ...]}. Dropout masks are drawn per rank
+# for the rank's own rows, so a run with dropout depends on N: it resumes at N=2, which
+# checks that MLX's random key carries over. Checkpoints of fully sharded models resume
+# at another N with --fully-shard, and at N=2 without it; the accumulating run, saved
+# without --fully-shard, resumes with it (--fully-shard with --accumulation sharded).
+RESUMES = {
+    3: [("lora", RUNS["lora"][4]), ("full-sharded", RUNS["full-sharded"][4]),
+        ("accumulate", RUNS["accumulate"][4] + ["--fully-shard"])],
+    1: [("lora", RUNS["lora"][4] + ["--no-fsdp"])],
+    2: [("dropout", []), ("qlora-sharded", [])],
+}
+
+
+@pytest.mark.parametrize("n", list(RESUMES))
+def test_resume(n, files, ours, reference, tmp_path):
+    """Saved at N=2 after iteration 4, resumed at N=3 (MPI), at N=1 under ddp_step, or at
+    N=2, with or without --fully-shard: each run ends where mlx_lm.lora's uninterrupted
+    N=2 run ends (losses and adapters)."""
+    paths, args = [], []
+    for i, (name, ours_flags) in enumerate(RESUMES[n]):
+        path = str(tmp_path / f"{i}-{name}")
+        shutil.copytree(ours[name], path)
+        shutil.rmtree(os.path.join(path, "checkpoints", f"step-{ITERS:07d}"))
+        paths.append(path)
+        args += flags(files, name, path) + ours_flags + ["--resume", "---"]
+    out = launch(n, "lm_cli.py", args[:-1])
+    assert out.count(f"iteration {SAVE_EVERY} of {ITERS}") == len(paths)
+    for (name, _), path in zip(RESUMES[n], paths):
+        assert_same_losses(read_log(path), read_log(reference[name]), resumed_at=SAVE_EVERY)
+        for file in ("adapters.safetensors", f"{ITERS:07d}_adapters.safetensors"):
+            assert_same_weights(os.path.join(path, file), os.path.join(reference[name], file))
 
 
 def test_fully_sharded_at_three_ranks(files, reference, ours, tmp_path):
     """--fully-shard at N=3 (MPI; 32 rows do not divide by 3) gives mlx_lm.lora's N=2 losses
-    and weights (equal-length examples: the loss does not depend on N). No sharded
-    checkpoint is saved (not supported with --fully-shard yet), and rank 0 says so."""
+    and weights (equal-length examples: the loss does not depend on N); each of its
+    checkpoints has one model shard file per rank."""
     path = str(tmp_path / "full-sharded")
-    out = launch(3, "lm_cli.py", flags(files, "full-sharded", path) + RUNS["full-sharded"][4])
-    assert "No sharded checkpoint will be saved" in out
-    for run in (path, ours["full-sharded"], ours["qlora-sharded"]):
-        assert not os.path.exists(os.path.join(run, "checkpoints"))
+    launch(3, "lm_cli.py", flags(files, "full-sharded", path) + RUNS["full-sharded"][4])
+    for step in (SAVE_EVERY, ITERS):
+        assert model_shards(os.path.join(path, "checkpoints", f"step-{step:07d}")) == [
+            f"model-0000{r}-of-00003.safetensors" for r in range(3)]
     assert_same_losses(read_log(path), read_log(reference["full-sharded"]))
     for file in ("adapters.safetensors", f"{ITERS:07d}_adapters.safetensors"):
         assert_same_weights(os.path.join(path, file), os.path.join(reference["full-sharded"], file))
@@ -446,13 +481,12 @@ def test_cli_flags_and_yaml(tmp_path):
 
 
 def test_fully_shard_refuses_what_cannot_work():
-    """--fully-shard with ddp_step, --reshard-after-forward alone, and --resume (no sharded
-    checkpoints of fully sharded models yet) are refused before anything loads."""
+    """--fully-shard with ddp_step, and --reshard-after-forward alone, are refused before
+    anything loads."""
     from mlx_fsdp.lora import main
 
     for extra, match in ((["--fully-shard", "--no-fsdp"], "ddp_step cannot step a fully sharded"),
-                         (["--reshard-after-forward"], "needs fully_shard=True"),
-                         (["--fully-shard", "--resume"], "not supported yet")):
+                         (["--reshard-after-forward"], "needs fully_shard=True")):
         with pytest.raises(ValueError, match=match):
             main(["--model", "not-loaded", "--train", *extra])
 

@@ -1,9 +1,13 @@
 """Training checkpoints of an mlx-lm run: ``DIR/step-0000100``, one per save.
 
 Each is an :func:`mlx_fsdp.save_checkpoint` directory (loads at any world
-size) with the trainable parameters only, whose manifest also holds, under ``"user"``, the iteration, mlx-lm's
-data position (see :mod:`mlx_fsdp.lm.position`), MLX's random key and the
-settings that fix the batch order.
+size) with the trainable parameters only, whose manifest also holds, under
+``"user"``, the iteration, mlx-lm's data position (see
+:mod:`mlx_fsdp.lm.position`), MLX's random key and the settings that fix the
+batch order. Of a model trained with :func:`mlx_fsdp.fully_shard` each rank
+writes only the parameter shards it holds; the checkpoint names them by the
+paths of the model without ``fully_shard``, so a run resumes from it with or
+without ``fully_shard``, and the other way round.
 """
 
 import os
@@ -34,22 +38,6 @@ def latest(directory: str) -> Optional[str]:
              if (m := _STEP.match(name))
              and os.path.isfile(os.path.join(directory, name, "manifest.json"))]
     return os.path.join(directory, max(found)[1]) if found else None
-
-
-def fully_sharded_directory(directory: Optional[str], rank: int) -> None:
-    """The checkpoint directory of a run with ``fully_shard``: none, for now.
-
-    ``save_checkpoint`` does not gather the shards of a fully sharded model
-    yet: it would store rank 0's part of each parameter as the weights. So
-    such a run saves no sharded checkpoint (rank 0 says so once) and cannot
-    resume (:func:`mlx_fsdp.lm.sharding.check_options` refuses it);
-    ``adapters.safetensors`` and the model directory hold the whole weights.
-    """
-    if directory and rank == 0:
-        print(f"No sharded checkpoint will be saved to {directory}: not supported with "
-              "--fully-shard yet (adapters.safetensors holds the whole trained weights).",
-              flush=True)
-    return None
 
 
 def save(directory: str, model, optimizer, position: dict, settings: dict) -> str:

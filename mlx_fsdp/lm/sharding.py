@@ -19,15 +19,13 @@ from ..fully_sharded import FullyShardedModule, full_parameters, fully_shard, pl
 from ..fully_sharded.model import sharded_modules
 
 
-def check_options(fsdp: bool, fully_shard: bool, reshard_after_forward: bool,
-                  resume: bool = False):
+def check_options(fsdp: bool, fully_shard: bool, reshard_after_forward: bool):
     """Refuse what cannot train a fully sharded model.
 
     Raises:
         ValueError: For ``fully_shard`` without ``fsdp`` (``ddp_step`` would
-            average gradients that arrive averaged and sharded),
-            ``reshard_after_forward`` without ``fully_shard``, or ``fully_shard``
-            with ``resume`` (see :func:`mlx_fsdp.lm.checkpoints.fully_sharded_directory`).
+            average gradients that arrive averaged and sharded), or
+            ``reshard_after_forward`` without ``fully_shard``.
     """
     if fully_shard and not fsdp:
         raise ValueError(
@@ -39,11 +37,6 @@ def check_options(fsdp: bool, fully_shard: bool, reshard_after_forward: bool,
             "reshard_after_forward=True (--reshard-after-forward) needs fully_shard=True "
             "(--fully-shard): only fully sharded blocks gather parameters to free. Add "
             "--fully-shard, or use --grad-checkpoint to recompute the blocks.")
-    if fully_shard and resume:
-        raise ValueError(
-            "resume=True (--resume) with fully_shard=True (--fully-shard): sharded checkpoints "
-            "of fully sharded models are not supported yet, so there is none to resume from. "
-            "Train without --resume, or resume a run saved without --fully-shard without it.")
 
 
 def _blocks(model: nn.Module) -> list:

@@ -173,7 +173,10 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             ``model.layers``, then the model, with :func:`mlx_fsdp.fully_shard`
             for the run (see :mod:`mlx_fsdp.lm.sharding`); at the end every
             rank gets the whole trained parameters back in ``model``, unwrapped.
-            Needs ``fsdp``. Default: ``False``.
+            Each rank saves only its shards to ``checkpoint_dir``; a run resumes
+            from them, or from a checkpoint saved without ``fully_shard``, with
+            or without it (see :mod:`mlx_fsdp.lm.checkpoints`). Needs ``fsdp``.
+            Default: ``False``.
         reshard_after_forward (bool): With ``fully_shard``: free each block's
             gathered parameters after its forward pass and recompute the
             block in the backward pass. ``args.grad_checkpoint`` implies it
@@ -195,16 +198,15 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             ``communication_size``, ``master_dtype``, ...).
 
     Raises:
-        ValueError: If ``fully_shard`` is asked without ``fsdp`` or with
-            ``resume``, if checkpoints would fall between the micro-batches
-            of an accumulated step, if ``resume`` finds no checkpoint, or if
-            the checkpoint is past ``args.iters`` or was saved with another
-            batch size or accumulation.
+        ValueError: If ``fully_shard`` is asked without ``fsdp``, if checkpoints
+            would fall between the micro-batches of an accumulated step, if
+            ``resume`` finds no checkpoint, or if the checkpoint is past
+            ``args.iters`` or was saved with another batch size or accumulation.
     """
     from mlx_lm.tuner import trainer
 
     args = args if args is not None else trainer.TrainingArgs()
-    check_options(fsdp, fully_shard, reshard_after_forward, resume)
+    check_options(fsdp, fully_shard, reshard_after_forward)
     settings = {k: getattr(args, k) for k in checkpoints.ORDER_SETTINGS}
     every = args.steps_per_save
     if checkpoint_dir and every % args.grad_accumulation_steps:
@@ -231,8 +233,7 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
                             reshard_after_forward=reshard_after_forward or args.grad_checkpoint)
         args = dataclasses.replace(args, grad_checkpoint=False)
     if sharded_modules(model):  # sharded here, or by the caller
-        check_options(fsdp, True, reshard_after_forward, resume)
-        checkpoint_dir = checkpoints.fully_sharded_directory(checkpoint_dir, rank)
+        check_options(fsdp, True, reshard_after_forward)
 
     start, position = 0, None
     if resume:
