@@ -12,9 +12,9 @@ the averaged gradient of every parameter, in the parameter's own dtype.
 Order and lifetime. Every rank must run the collectives in one order, and
 the full arrays should exist only while they are used:
 
-* a gather waits for the module's inputs (empty slices of them join its
-  input), so a block's parameters are gathered when the block runs, not
-  when MLX happens to schedule an independent all-gather;
+* a gather waits for the module's inputs (``mx.depends``), so a block's
+  parameters are gathered when the block runs, not when MLX happens to
+  schedule an independent all-gather;
 * the VJP hands every input a zero cotangent that depends on the reduced
   gradients, so the backward pass of the layers before this module waits
   for its reduce-scatter: the full gradients are freed as soon as they are
@@ -49,13 +49,13 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
         list[array]: The full arrays, by ``Slot.index``, in each bucket's parameter dtype.
     """
     full: List[Optional[mx.array]] = [None] * len(held)
-    waits = [layout.empty_of(d) for d in deps]
-    for b in plan.buckets:
+    for i, b in enumerate(plan.buckets):
         dtype = getattr(mx, b.param_dtype)
         parts = layout.held_parts(b, {s.index: held[s.index] for s in b.held(rank)}, rank)
-        vector = order.ran(collectives.all_gather(order.join(waits + parts, dtype), group,
-                                                  stream=stream))
-        waits = []
+        shard = order.join(parts, dtype)
+        if deps and i == 0:  # the later buckets wait for this one
+            shard = mx.depends(shard, list(deps))
+        vector = order.ran(collectives.all_gather(shard, group, stream=stream))
         for s, a in zip(b.slots, layout.unpack(b, vector)):
             full[s.index] = a
     if plan.buckets:  # evaluated with the parameters, the kept token holds nothing
