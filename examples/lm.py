@@ -284,9 +284,10 @@ def add_training_args(p: argparse.ArgumentParser):
                    help="with --mode fully_shard: free each block's gathered parameters after its "
                    "forward pass and recompute the block in the backward pass (less memory, "
                    "more compute)")
-    g.add_argument("--timeout", type=float, default=300.0,
+    g.add_argument("--timeout", type=float, default=None,
                    help="a rank that waits this many seconds in a collective prints where and "
-                   "exits with code 124, so the launcher stops the job; 0 disables (default 300)")
+                   "exits with code 124, so the launcher stops the job; 0 disables (default: "
+                   "MLX_FSDP_TIMEOUT, else the library's 600)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--log-every", type=int, default=10,
                    help="rank 0 prints a progress line every this many steps (default 10)")
@@ -307,7 +308,8 @@ def check_args(p: argparse.ArgumentParser, args):
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
     if args.dims % args.heads:
         p.error(f"--dims={args.dims} must divide by --heads={args.heads}.")
-    if args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0 or args.timeout < 0:
+    if (args.max_norm < 0 or args.warmup_steps < 0 or args.save_every < 0
+            or (args.timeout or 0) < 0):
         p.error("--max-norm, --warmup-steps, --save-every and --timeout must be >= 0.")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LR[args.optimizer]
@@ -420,7 +422,7 @@ def distributed_optimizer(mode: str, args, group):
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
     kwargs = {"group": group,
               "max_norm": args.max_norm if args.max_norm > 0 else None,
-              "timeout": args.timeout if args.timeout > 0 else None}
+              "timeout": args.timeout}  # 0 turns the watchdog off
     if args.communication_size is not None:
         kwargs["communication_size"] = args.communication_size
     if args.grad_accumulation_steps > 1:

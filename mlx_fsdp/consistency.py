@@ -18,13 +18,13 @@ import functools
 import hashlib
 from typing import Optional
 
-import mlx.core as mx
 import numpy as np
 import mlx.optimizers as optim
 
 from . import control
 from .placement import sub_optimizers
 from .plan import dtype_name
+from .options import as_number, check_learning_rate
 from .watchdog import watch
 
 
@@ -43,15 +43,29 @@ def describe(optimizer) -> str:
     return _hyperparameters(optimizer)
 
 
-def learning_rates(optimizer) -> str:
-    """The learning rate(s) the next update uses, exactly (``repr`` of float32 values)."""
-    rates = []
+def current_rates(optimizer) -> list:
+    """``(sub-optimizer, scheduled, learning rate)`` of what each next update uses.
+
+    The rate is what the state holds or what the schedule returns for the
+    next step, as it is (an array, a number, or whatever a bad schedule gave).
+    """
+    out = []
     for sub in sub_optimizers(optimizer):
         schedule = getattr(sub, "_schedulers", {}).get("learning_rate")
         lr = schedule(sub.step) if schedule is not None else sub.state.get("learning_rate")
+        out.append((sub, schedule is not None, lr))
+    return out
+
+
+def learning_rates(rates: list) -> str:
+    """The rates of :func:`current_rates` exactly (``repr`` of float32 values), as text."""
+    texts = []
+    for _, _, lr in rates:
+        number = as_number(lr)
         # numpy's float32 text is the shortest that reads back as the same float32.
-        rates.append(str(np.float32(mx.array(lr).astype(mx.float32).item())) if lr is not None else "none")
-    return ",".join(rates)
+        texts.append("none" if lr is None else repr(lr)[:40] if number is None else
+                     str(np.float32(number)))
+    return ",".join(texts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,7 +83,8 @@ def check_step(opts, optimizer, tree: str, state, *, tracing: bool, dog=None):
     """Raise on every rank unless all ranks take this step with the same settings.
 
     Every rank of ``opts.group`` (and of ``opts.dp_group``) must call it at
-    the same point: it evaluates one small all-gather per group.
+    the same point: it evaluates one small all-gather per group. On one rank
+    it checks the learning rates only.
 
     Args:
         opts (Options): The wrapper's options.
@@ -83,21 +98,29 @@ def check_step(opts, optimizer, tree: str, state, *, tracing: bool, dog=None):
     Raises:
         mlx_fsdp.control.RankMismatch: If any field differs between ranks, or
             the ranks are at different synchronization points.
+        ValueError: If a learning rate of this step is not a finite number.
     """
-    if opts.world_size == 1:
-        return
     step: Optional[int] = None
     micro: Optional[int] = None
-    rates: Optional[str] = None
+    rates: Optional[list] = None
     if not tracing:
         step = int(sub_optimizers(optimizer)[0].step.item())
         micro = int(state["micro_step"].item())
-        rates = learning_rates(optimizer)
+        rates = current_rates(optimizer)
+    if opts.world_size > 1:
+        _agree(opts, optimizer, tree, step, micro, rates, dog)
+    # After the agreement, so that a rate that differs between ranks is a
+    # RankMismatch on every rank, and a bad rate they share fails on all of them.
+    for sub, scheduled, lr in rates or ():
+        check_learning_rate(sub, lr, f" at step {step}", scheduled)
+
+
+def _agree(opts, optimizer, tree: str, step, micro, rates, dog):
     fields = {
         "world size": opts.world_size,
         "gradient tree and plan": tree,
         "optimizer and hyper-parameters": describe(optimizer),
-        "learning rate of this step": rates,
+        "learning rate of this step": None if rates is None else learning_rates(rates),
         "max_norm": None if opts.max_norm is None else float(opts.max_norm),
         "grad_accumulation_steps": opts.grad_accumulation_steps,
         "accumulation": opts.accumulation,

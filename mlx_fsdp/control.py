@@ -34,7 +34,11 @@ WORDS = 24
 TEXT_BYTES = 96
 
 OPERATIONS = ("update", "save_checkpoint", "load_checkpoint", "init", "apply_gradients",
-              "fully_shard")
+              "fully_shard", "exit")
+
+#: Ranks seen in ``"exit"`` (their script ended): they leave without waiting
+#: for the others (see :mod:`mlx_fsdp.ending`).
+LEFT = set()
 
 Value = Union[int, float, str, None]
 
@@ -174,11 +178,18 @@ def agree(
             f"{OPERATIONS[code] if 0 <= code < len(OPERATIONS) else '?'}"
             for code in sorted(set(ops))
         )
+        calls = sorted({OPERATIONS[c] for c in set(ops) if 0 <= c < len(OPERATIONS)} - {"exit"})
+        left = [r for r, o in enumerate(ops) if o == OPERATIONS.index("exit")]
+        LEFT.update(left)
+        advice = (f"every rank must call {' and '.join(calls)} at the same point (for example "
+                  "save_checkpoint on every rank, not only on rank 0).")
+        if left:
+            advice = (f"the script of {_ranks(left)} ended (or an error ended it) while the others "
+                      f"still call {' and '.join(calls)}: every rank must make the same calls to "
+                      "update, save_checkpoint and load_checkpoint, in the same order.")
         _raise_together(RankMismatch(
-            f"The ranks are at different synchronization points: {where}. Every rank must "
-            f"call {' and '.join(sorted({OPERATIONS[c] for c in set(ops) if 0 <= c < len(OPERATIONS)}))} "
-            "at the same point (for example save_checkpoint on every rank, not only on rank 0)."
-        ), group, stream)
+            f"The ranks are at different synchronization points: {where}. {advice[0].upper()}"
+            f"{advice[1:]}"), group, stream)
     differ = [i for i in range(len(names)) if len({row[2 + i] for row in rows}) > 1]
     if not differ:
         return

@@ -14,6 +14,8 @@ from .placement import sub_optimizers
 from .plain import replicated_step
 from .plan import Plan, single_process_plan
 from .sharded_state import check_state, init_held
+from .state import tree_changed
+from .watchdog import watch
 from .step import sharded_step
 from .wrapper import DistributedOptimizer
 
@@ -76,12 +78,9 @@ class ShardedOptimizer(DistributedOptimizer):
             return
         if self._plan is not None and plan != self._plan:
             if not self._fresh:
-                raise ValueError(
-                    "The gradient tree changed since the optimizer state was built: it was "
-                    f"for {self._plan.num_arrays} arrays ({self._plan.num_elements} elements), "
-                    f"now there are {plan.num_arrays} ({plan.num_elements}). The sharded state "
-                    "cannot follow; create a new fsdp_step for the new tree."
-                )
+                raise tree_changed((self._plan.num_arrays, self._plan.num_elements),
+                                   (plan.num_arrays, plan.num_elements), "",
+                                   "create a new fsdp_step for the new tree.")
             # The state from init (e.g. of model.parameters(), frozen arrays
             # included) was never used; the step builds it for its own tree.
             for sub in sub_optimizers(self.optimizer):
@@ -132,9 +131,10 @@ class ShardedOptimizer(DistributedOptimizer):
             self.optimizer.init(tree_unflatten(list(zip(tree, steps))))
             return
         plan = self.plan_of(parameters)
-        control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
-                      stream=self.options.communication_stream,
-                      hint="Call init with the same parameters on every rank.")
+        with watch(self._dog, "init"):
+            control.agree(self.options.group, "init", {"plan": int(plan.fingerprint[:7], 16)},
+                          stream=self.options.communication_stream,
+                          hint="Call init with the same parameters on every rank.")
         init_held(plan, self.optimizer, [a for _, a in floating], self.options.group.rank(),
                   self._state["master"], self.options.master_dtype)
         self._plan = None
@@ -237,11 +237,12 @@ def fsdp_step(
             (or ``None``) per sub-optimizer of a ``MultiOptimizer``. ``None``
             decides from the optimizer's class (see
             :func:`mlx_fsdp.register_placement`). Default: ``None``.
-        timeout (float, optional): Seconds a rank may wait in the step's
-            collectives before a watchdog prints where it waits and ends the
+        timeout (float, optional): Seconds a rank may wait for its peers in
+            a collective before a watchdog prints where it waits and ends the
             process (exit code 124), so that the launcher stops a job whose
-            peer died or stopped (see :mod:`mlx_fsdp.watchdog`).
-            Default: ``None`` (no watchdog).
+            peer died, stopped or skipped a call (see :mod:`mlx_fsdp.watchdog`).
+            ``0`` turns the watchdog off. Default: ``None``: the environment
+            variable ``MLX_FSDP_TIMEOUT`` (same meaning) if set, else 600.
 
     Returns:
         ShardedOptimizer: The wrapper.

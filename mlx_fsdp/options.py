@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from . import placement as _placement
+from .watchdog import resolve_timeout
 
 #: How gradients are accumulated over micro-batches.
 ACCUMULATION_MODES = ("local", "sharded")
@@ -63,7 +64,7 @@ class Options:
     grad_accumulation_steps: int = 1
     accumulation: str = "local"
     placement: Any = None
-    timeout: Optional[float] = None
+    timeout: Optional[float] = None  # resolved: seconds, or None when the watchdog is off
 
     @property
     def world_size(self) -> int:
@@ -101,17 +102,54 @@ def check_dtype(name: str, dtype):
         )
 
 
+def as_number(value) -> Optional[float]:
+    """``value`` as a float (finite or not) if it is a real number or a one-element real
+    ``mx.array``; ``None`` for anything else (a string, a list, a bool)."""
+    if isinstance(value, mx.array) and value.size == 1 and value.dtype != mx.bool_ \
+            and not mx.issubdtype(value.dtype, mx.complexfloating):
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def check_learning_rate(part, value, when: str = "", scheduled: bool = False):
+    """Raise unless the learning rate ``value`` of sub-optimizer ``part`` is a finite number.
+
+    Args:
+        part (mlx.optimizers.Optimizer): The (sub-)optimizer, named in the message.
+        value: Its learning rate: what its state holds or its schedule returned.
+        when (str): When, for the message, e.g. ``" at step 3"``. Default: ``""``.
+        scheduled (bool): The value came from a schedule. Default: ``False``.
+    """
+    number = as_number(value)
+    if value is None or number is not None and math.isfinite(number):
+        return  # None: the optimizer has no rate (Adafactor's relative steps)
+    fix = ("Check the schedule (a division by zero, a warmup of 0 steps, a bad flag)."
+           if scheduled else "Check how the rate is computed (a division by zero, a bad flag), "
+           "or set a finite one: opt.learning_rate = 1e-4.")
+    raise ValueError(
+        f"{type(part).__name__} has learning_rate={number if number is not None else value!r}"
+        f"{when}{' from its schedule' if scheduled else ''}; it must be a finite number. {fix}")
+
+
+def check_new_learning_rate(value):
+    """What ``opt.learning_rate = value`` accepts: a finite number or a one-element array."""
+    number = as_number(value)
+    if number is None or not math.isfinite(number):
+        raise ValueError(
+            f"learning_rate={value!r} must be a finite number (a float or a one-element "
+            "mx.array), e.g. opt.learning_rate = 1e-4. A schedule goes to the optimizer's "
+            "constructor: optim.AdamW(learning_rate=optim.cosine_decay(1e-3, 1000)).")
+
+
 def _check_learning_rates(optimizer):
     parts = optimizer.optimizers if isinstance(optimizer, optim.MultiOptimizer) else [optimizer]
     for part in parts:
         if "learning_rate" in getattr(part, "_schedulers", {}):
-            continue  # a schedule is code; its values are checked across ranks every step
-        lr = part.state.get("learning_rate")
-        if isinstance(lr, mx.array) and lr.size == 1 and not math.isfinite(lr.item()):
-            raise ValueError(
-                f"{type(part).__name__} has learning_rate={lr.item()!r}; it must be a finite "
-                "number. Check how the rate is computed (a division by zero, a bad flag)."
-            )
+            continue  # a schedule is code; its values are checked at every step
+        if "learning_rate" in part.state:
+            check_learning_rate(part, part.state["learning_rate"])
 
 
 def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
@@ -148,7 +186,8 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
         gpu = mx.default_device() == mx.gpu
         size = DEFAULT_SIZE_GPU if gpu or not sharded else DEFAULT_SIZE_CPU
     opts = Options(**{**kwargs, "group": group_or_global(kwargs.get("group")),
-                      "communication_size": size})
+                      "communication_size": size,
+                      "timeout": resolve_timeout(kwargs.get("timeout"))})
     _check_number("max_norm", opts.max_norm, allow_none=True, positive=True,
                   fix="clipping to 0 would zero every update; pass None to disable clipping.")
     size = opts.communication_size
@@ -175,9 +214,6 @@ def make_options(optimizer, *, sharded: bool, **kwargs) -> Options:
             f"accumulation={opts.accumulation!r} is not supported here; use one of "
             f"{', '.join(map(repr, ACCUMULATION_MODES))}."
         )
-    _check_number("timeout", opts.timeout, allow_none=True, positive=True,
-                  fix="it is the seconds a rank may wait in a collective before the "
-                  "watchdog ends it; None turns the watchdog off.")
     if sharded:
         _placement.resolve(optimizer, opts.placement)
         _check_tiling(opts)

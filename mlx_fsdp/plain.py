@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 from . import accumulate, clip, consistency, master
 from ._trees import like, match
 from .fully_sharded.model import sharded_modules
-from .placement import signature_of
+from .placement import signature_of, sub_optimizers
+from .state import tree_changed
 
 
 def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
@@ -82,11 +83,13 @@ def replicated_step(opts, optimizer, state, gradients, parameters, *,
             "holds, and averaging them again would be wrong. Use mlx_fsdp.fsdp_step, or a "
             "plain element-wise mlx.optimizers optimizer, on a fully sharded model.")
     traced = accumulate.is_traced(state["micro_step"])
+    tree = None
     if opts.world_size > 1:
         tree = consistency.describe_tree(
             len(flat_grads), sum(g.size for _, g in flat_grads),
             consistency.tree_fingerprint(signature_of(flat_grads, flat_params)))
-        consistency.check_step(opts, optimizer, tree, state, tracing=traced, dog=dog)
+    consistency.check_step(opts, optimizer, tree, state, tracing=traced, dog=dog)
+    _check_covered(optimizer, flat_grads, parameters)
     k, finish = opts.grad_accumulation_steps, True
     if k > 1:
         sums, finish = accumulate.add(state, flat_grads, k, traced)
@@ -102,3 +105,37 @@ def replicated_step(opts, optimizer, state, gradients, parameters, *,
         state["grad_norm"] = accumulate.select(finish, norm, state["grad_norm"])
     new = apply_optimizer(optimizer, gradients, parameters, state["master"], opts.master_dtype, finish)
     return accumulate.select(finish, new, like(gradients, flat_params)), norm
+
+
+def _has_state(state, path: str) -> bool:
+    node = state
+    for key in path.split("."):
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return False
+    return True
+
+
+def _check_covered(optimizer, flat_grads, parameters):
+    """Refuse gradients that an initialized (sub-)optimizer has no state for.
+
+    Plain MLX takes any subtree of what its state was built for (frozen
+    layers, a part of the model), and fails with a ``KeyError`` deep in
+    ``tree_map`` on anything else, after counting the step. This names the
+    array first, with the error ``fsdp_step`` gives for a changed plan.
+    """
+    subs = [s for s in sub_optimizers(optimizer) if getattr(s, "_initialized", False)]
+    for path, _ in flat_grads if subs else ():
+        if any(_has_state(s.state, path) for s in subs):
+            continue
+        with_state = [(p, a) for p, a in tree_flatten(parameters)
+                      if isinstance(a, mx.array) and any(_has_state(s.state, p) for s in subs)]
+        raise tree_changed(
+            (len(with_state), sum(a.size for _, a in with_state)),
+            (len(flat_grads), sum(x.size for _, x in flat_grads)),
+            f": '{path}' has no optimizer state (a parameter the first steps did not train)",
+            "create a new optimizer for the new tree, or initialize it with every parameter "
+            "that training will use: opt.init(model.trainable_parameters()).")

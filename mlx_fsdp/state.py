@@ -64,3 +64,18 @@ def replace(state: WrapperState, new: dict):
     state.clear()
     state.update(fresh)
     state.update({k: v for k, v in new.items() if k in fresh})
+
+
+def tree_changed(was: tuple, now: tuple, detail: str, fix: str) -> ValueError:
+    """The error of a gradient tree that the optimizer state, built for another one, cannot follow.
+
+    Args:
+        was (tuple): ``(arrays, elements)`` the state was built for.
+        now (tuple): ``(arrays, elements)`` of this step's gradients.
+        detail (str): What changed, e.g. ``": 'l2.weight' has no state"``.
+        fix (str): What to do instead.
+    """
+    return ValueError(
+        f"The gradient tree changed since the optimizer state was built: it was for {was[0]} "
+        f"arrays ({was[1]} elements), now there are {now[0]} ({now[1]}){detail}. The "
+        f"optimizer state cannot follow; {fix}")

@@ -13,9 +13,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from . import state as _state
-from . import watchdog
+from . import ending, watchdog
 from ._trees import like, match
-from .options import Options
+from .options import Options, check_new_learning_rate
 from .placement import sub_optimizers
 
 
@@ -33,7 +33,10 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.options = options
         self._state = _state.new_state(optimizer.state)
-        self._dog = watchdog.get(options.timeout, options.group.rank())
+        # One process has nothing to wait for: no watchdog, exactly plain MLX.
+        distributed = options.world_size > 1
+        self._dog = watchdog.get(options.timeout, options.group.rank()) if distributed else None
+        ending.register(options.group, options.dp_group)
         self._clipped = False
 
     # The options, under the names the wrappers' arguments have.
@@ -76,16 +79,16 @@ class DistributedOptimizer:
         """
         if self._dog is not None:
             self._dog.done()  # back in the library: the last step's collectives finished
+            step = self.optimizer_step_count()
         if self.options.reduce_dtype is not None:
             gradients = tree_map(lambda g: g.astype(self.options.reduce_dtype), gradients)
         new, norm = self._step(gradients, parameters)
         if norm is not None:
             self._clipped = True
         if self._dog is not None:
-            step = self.optimizer_step_count()
             self._dog.waiting(
-                f"the collectives of step {step} (they run in the caller's evaluation of "
-                "the step, after update returned)", lazy=True)
+                f"a collective evaluated after update of step {step} returned (the step's own "
+                "collectives run in the caller's evaluation)", lazy=True)
         if new is None:  # a micro-batch that does not finish the step
             return like(gradients, match(gradients, parameters)[1])
         return new
@@ -148,4 +151,5 @@ class DistributedOptimizer:
 
     @learning_rate.setter
     def learning_rate(self, learning_rate: Union[float, mx.array]):
+        check_new_learning_rate(learning_rate)
         self.optimizer.learning_rate = learning_rate

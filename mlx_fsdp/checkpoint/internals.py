@@ -8,10 +8,19 @@ A change to the wrapper's attributes is made here, not in :mod:`.save` and
 :mod:`.load`.
 """
 
+import os
 from typing import Optional
 
 from .. import control, watchdog
+from ..options import group_or_global
 from .layout import is_sharded, one_shard_plan
+
+#: The slowest storage a checkpoint is expected on, in bytes per second.
+#: While a rank waits for its peers' checkpoint I/O, the watchdog allows the
+#: time these bytes take at this rate on top of its timeout. Measured: on the
+#: development VM's shared disk, rank 0's part of a 3 GiB save went at 59 MB/s
+#: (the others waited 73 s for it); 25 MB/s leaves a margin of 2.4.
+SLOWEST_STORAGE = 25e6
 
 #: How to fix a failed agreement between the ranks.
 HINT = ("Call save_checkpoint and load_checkpoint on every rank, at the same point of the "
@@ -46,12 +55,32 @@ def reset_wrapper(wrapper, master: Optional[dict], plan):
         wrapper._adopt(plan)
 
 
-def watched(wrapper, where: str):
-    """The wrapper's collective watchdog around a wait in ``where`` (a no-op without one)."""
-    return watchdog.watch(getattr(wrapper, "_dog", None), where)
+def io_allowance(nbytes: float) -> float:
+    """Seconds the peers may spend reading or writing ``nbytes`` while this rank waits."""
+    return nbytes / SLOWEST_STORAGE
 
 
-def agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = HINT):
+def read_allowance(path: str, world_size: int) -> float:
+    """The :func:`io_allowance` of a load: the largest file (the model) and 1/N of the rest,
+    each read twice (checksum, then arrays)."""
+    try:
+        sizes = [e.stat().st_size for e in os.scandir(path) if e.is_file()]
+    except OSError:
+        return 0.0
+    return io_allowance(2 * (max(sizes, default=0) + sum(sizes) / max(world_size, 1)))
+
+
+def watched(wrapper, where: str, allowance: float = 0.0):
+    """The wrapper's collective watchdog around a wait in ``where`` (a no-op without one).
+
+    A plain optimizer (``wrapper=None``) has the job's default watchdog.
+    """
+    dog = wrapper._dog if wrapper is not None else watchdog.default(group_or_global(None))
+    return watchdog.watch(dog, where, allowance)
+
+
+def agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = HINT,
+          allowance: float = 0.0):
     """Check that every rank of ``world`` is in ``operation`` with the same ``fields``.
 
     Args:
@@ -61,6 +90,8 @@ def agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = H
         path (str): The checkpoint path, named if the watchdog fires.
         fields (dict): What must be equal on every rank.
         hint (str): How to fix a disagreement. Default: :data:`HINT`.
+        allowance (float): Seconds of the peers' file I/O the watchdog allows
+            on top of its timeout. Default: ``0``.
 
     Raises:
         mlx_fsdp.control.RankMismatch: On every rank, if the ranks are not all
@@ -68,6 +99,6 @@ def agree(wrapper, world, operation: str, path: str, fields: dict, hint: str = H
         mlx_fsdp.control.PeerLost: If a peer left.
     """
     # On the wrapper's communication stream, in order with its step's collectives.
-    with watched(wrapper, f"{operation}({path})"):
+    with watched(wrapper, f"{operation}({path})", allowance):
         control.agree(world, operation, fields, hint=hint,
                       stream=getattr(wrapper, "communication_stream", None))

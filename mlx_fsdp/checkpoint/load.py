@@ -15,7 +15,7 @@ from .. import control
 from ..options import group_or_global
 from ..placement import sub_optimizers
 from . import staging
-from .internals import agree, load_target, reset_wrapper
+from .internals import agree, load_target, read_allowance, reset_wrapper
 from .layout import split_optimizer
 from .manifest import class_names, describe_optimizer
 
@@ -92,7 +92,8 @@ def load_checkpoint(path: str, model, opt) -> dict:
     mismatch = None
     try:
         agree(wrapper, world, "load_checkpoint", path, {"status": _status(error), "layout": layout},
-              hint="The rank(s) that failed raised the full error.")
+              hint="The rank(s) that failed raised the full error.",
+              allowance=read_allowance(path, world.size()))
     except control.RankMismatch as e:
         mismatch = e
     if error is not None:

@@ -25,7 +25,7 @@ from ..options import group_or_global
 from ..placement import sub_optimizers
 from ..plan import dtype_name
 from . import atomic
-from .internals import agree, save_layout, watched
+from .internals import agree, io_allowance, save_layout, watched
 from .layout import arrays_to_save, describe_state, is_sharded, plain_plan, split_optimizer
 from .manifest import (
     FORMAT,
@@ -210,16 +210,20 @@ def save_checkpoint(path: str, model, opt, *, metadata: Optional[dict] = None,
     if problem:
         raise ValueError(problem)
 
-    def status(ok, shard=-1, digests=("",)):
-        with watched(wrapper, f"save_checkpoint({target})"):
-            return atomic.gather_status(world, ok, shard, digests)
-
     sharded = is_sharded(wrapper)
     plan, shard, writer = save_layout(wrapper, model, optimizer, rank)
     names = plain_paths(model)
     arrays = arrays_to_save(plan, optimizer, wrapper, sharded, names) if writer else {}
     stored = _stored(model, plan, weights)
     whole, pieces, shards = weights_to_save(model, stored)
+    # Rank 0 writes the model file and hashes it twice while the others wait.
+    allowance = io_allowance(sum(a.nbytes for d in (whole, whole, whole, arrays, pieces)
+                                 for a in d.values()))
+
+    def status(ok, shard=-1, digests=("",)):
+        with watched(wrapper, f"save_checkpoint({target})", allowance):
+            return atomic.gather_status(world, ok, shard, digests)
+
     _, tmp, _ = atomic.side_paths(target)
 
     error = None

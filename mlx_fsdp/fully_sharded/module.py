@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import collectives, control, layout
+from .. import collectives, control, ending, layout, watchdog
 from ..accumulate import is_traced
 from ..order import CollectiveOrder
 from ..plan import Plan
@@ -71,10 +71,13 @@ class FullyShardedModule(nn.Module):
                 loads = owned_loads(m.plan, loads)
         plan = module_plan(flat, trainable, placement, n, communication_size, compute_dtype,
                            reduce_dtype, loads)
-        control.agree(group, "fully_shard", {"plan": plan.fingerprint,
-                                             "reshard_after_forward": reshard_after_forward},
-                      stream=communication_stream,
-                      hint="Wrap the same modules with the same arguments on every rank.")
+        dog = watchdog.default(group)
+        with watchdog.watch(dog, f"fully_shard({type(module).__name__})"):
+            control.agree(group, "fully_shard", {"plan": plan.fingerprint,
+                                                 "reshard_after_forward": reshard_after_forward},
+                          stream=communication_stream,
+                          hint="Wrap the same modules with the same arguments on every rank.")
+        ending.register(group)
         held = _cut(plan, [a for _, a in flat], rank)
         module.update(tree_unflatten([(p, h) for (p, _), h in zip(flat, held)]))
         mx.eval(held)
@@ -83,7 +86,7 @@ class FullyShardedModule(nn.Module):
             plan=plan, group=group, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_after_forward, communication_stream=communication_stream,
             _paths=[p for p, _ in flat], _dtypes=[a.dtype for _, a in flat],
-            _method=collectives.reduce_scatter_method(group), _gathers={})
+            _method=collectives.reduce_scatter_method(group), _gathers={}, _dog=dog)
         for k, v in settings.items():  # plain attributes, not children or parameters
             object.__setattr__(self, k, v)
         LIVE[id(self)] = self
@@ -120,6 +123,9 @@ class FullyShardedModule(nn.Module):
         return full
 
     def _gathered_call(self, fn, *args, **kwargs):
+        if self._dog is not None:  # the gathers run in the caller's next evaluation
+            self._dog.forward(f"the collectives of fully sharded {type(self.module).__name__} "
+                              "(its forward and backward passes)")
         # Inside mx.compile the parameters are placeholders (evaluating one
         # fails); outside it they are evaluated, so asking costs nothing.
         own = dict(tree_flatten(self.module.filter_and_map(_own)))

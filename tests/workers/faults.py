@@ -5,7 +5,8 @@ Usage: faults.py CASE [TIMEOUT]
 Every rank prints one line, ``rank R: <exception type>: <message>`` or
 ``rank R: NO ERROR``, and ``rank R: unchanged=<bool>`` when the case checks
 that the failed step left the model and the optimizer as they were. Cases
-where a rank stops or leaves end through the watchdog (``TIMEOUT`` seconds).
+where a rank stops or leaves end through the watchdog: ``timeout=TIMEOUT``
+when given, else its default (``MLX_FSDP_TIMEOUT``).
 """
 
 import os
@@ -72,8 +73,83 @@ def step(model, opt, s):
     mx.eval(model.parameters(), opt.state)
 
 
+def long_evaluation(seconds):
+    """An array whose evaluation computes for about ``seconds``: a chain of matmuls,
+    as long on every rank (the ranks' mean speed)."""
+    a = mx.random.normal((192, 192)) / 14
+    start, x = time.monotonic(), a
+    for _ in range(30):
+        x = mx.tanh(x @ a)
+    mx.eval(x)
+    per_op = mx.distributed.all_sum(mx.array((time.monotonic() - start) / 30)).item()
+    for _ in range(int(seconds * group.size() / per_op)):
+        x = mx.tanh(x @ a)
+    return x
+
+
+def legitimate_waits():
+    """Waits longer than the timeout that are not hangs: none may end the job.
+
+    On a fully sharded model (its gathers and reduce-scatters run in the
+    step's evaluation): a first step whose evaluation computes for 1.5 times
+    the timeout (its collectives wait for that computation), an evaluation
+    loop as long before the next call into the library, a save and a load.
+    """
+    limit = float(os.environ["MLX_FSDP_TIMEOUT"])
+    sharded = mlx_fsdp.fully_shard(make_model(bf16=False))
+    long = mx.stop_gradient(long_evaluation(1.5 * limit).sum())
+    loss, g = nn.value_and_grad(sharded, lambda m, x, y: loss_fn(m, x, y) * (1 + 0 * long))(
+        sharded, *batch(0, rank))
+    opt.update(sharded, g)
+    mx.eval(sharded.parameters(), opt.state)
+    start = time.monotonic()
+    while True:  # validation: many small evaluations, as many on every rank (they gather)
+        late = mx.array(float(time.monotonic() - start > 1.5 * limit))
+        if mx.distributed.all_sum(late).item() > 0:
+            break
+        mx.eval(loss_fn(sharded, *batch(100, rank)))
+    # Beside the results file of the launch (tests/launch.py): a directory every rank sees.
+    path = os.path.join(os.path.dirname(os.environ["MLX_FSDP_TEST_RESULTS"]), "ck")
+    mlx_fsdp.save_checkpoint(path, sharded, opt)
+    mlx_fsdp.load_checkpoint(path, sharded, opt)
+
+
+def user_collective():
+    """The last rank skips its update of step 1; then every rank sums its loss itself."""
+    for s in range(2):
+        loss, g = nn.value_and_grad(model, loss_fn)(model, *batch(s, rank))
+        if not (other and s == 1):
+            opt.update(model, g)
+        # The cross-rank check cannot see this collective: only the watchdog can end it.
+        mx.eval(mx.distributed.all_sum(loss), model.parameters(), opt.state)
+
+
+def fully_sharded_stop():
+    """The last rank stops before the first forward pass of a fully sharded model."""
+    sharded = mlx_fsdp.fully_shard(make_model(bf16=False))
+    if other:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    loss, g = nn.value_and_grad(sharded, loss_fn)(sharded, *batch(0, rank))
+    mx.eval(loss, g)  # its gathers wait for the stopped rank, before any update
+
+
+def raises():
+    """The last rank fails with an error of its own, which nothing catches, before step 1."""
+    step(model, opt, 0)
+    if other:
+        1 / 0
+    step(model, opt, 1)
+
+
+CASES = {"legitimate": legitimate_waits, "user_collective": user_collective,
+         "fully_sharded_stop": fully_sharded_stop, "raises": raises}
+
 model, opt = make_model(), wrapper()
 try:
+    if case in CASES:
+        CASES[case]()
+        say("NO ERROR")
+        sys.exit(0)
     if case == "resumed_differently":
         # As if the first rank had loaded a checkpoint of step 2 and the other started fresh.
         opt.init(model.trainable_parameters())
