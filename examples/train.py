@@ -1,4 +1,11 @@
-"""Train a small byte-level GPT with ``mlx_fsdp`` (FSDP) or the DDP baseline.
+"""Train a small byte-level GPT with ``mlx_fsdp``: the sharded step, fully sharded, or DDP.
+
+``--mode fsdp`` (the default) shards the optimizer state and the update;
+``--mode fully_shard`` shards the parameters and gradients too
+(``mlx_fsdp.fully_shard`` on every block, then on the model;
+``--reshard-after-forward`` frees each block's gathered parameters after its
+forward pass and gathers them again for its backward pass); ``--mode ddp`` is
+the replicated baseline.
 
 The default data is the ``.py`` source of Python's own standard library, so
 nothing is downloaded; ``--data PATH`` takes a text file or a folder instead.
@@ -9,6 +16,8 @@ every batch, so the result does not depend on the number of ranks.
     python examples/train.py --steps 20                                   # one process
     MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \
         -x MLX_MPI_LIBNAME -n 4 python examples/train.py --mode ddp       # MPI, as root on Debian
+    mlx.launch -n 2 --backend ring -- python examples/train.py --mode fully_shard \
+        --reshard-after-forward                                           # parameters sharded too
 
 (On Debian, MLX finds Open MPI only as ``libmpi.so.40``, which ``-x`` passes
 to every rank; Open MPI refuses root without ``--allow-run-as-root`` and more
@@ -32,7 +41,8 @@ import lm  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=lm.MODES, default="fsdp",
-                   help="fsdp: sharded optimizer state; ddp: the replicated baseline (default fsdp)")
+                   help="fsdp: sharded optimizer state and update; fully_shard: parameters and "
+                   "gradients sharded too; ddp: the replicated baseline (default fsdp)")
     lm.add_training_args(p)
     args = p.parse_args(argv)
     lm.check_args(p, args)
