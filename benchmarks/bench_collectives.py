@@ -26,7 +26,7 @@ bus bandwidth reads low by 2x.
     MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \\
         -x MLX_MPI_LIBNAME -n 4 python benchmarks/bench_collectives.py --json coll.json
 
-(the ``mpirun`` line as root on Debian: see the top-level README's Launching.)
+(the ``mpirun`` line as root on Debian: see docs/launching.md.)
 Rank 0 shows its progress (sizes done, sizes per second) on stderr.
 """
 

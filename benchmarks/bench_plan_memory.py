@@ -18,7 +18,7 @@ mlx_fsdp.plan_memory`` predicts, less the temporaries. Each rank reports:
 Fully sharded training (``--modes fully_shard``: ``fully_shard`` on each
 block and the root, or on the whole model with ``--wrap model``, and
 ``fsdp_step``) is measured over whole training steps instead (forward,
-backward and ``opt.update``, one ``mx.eval``, as the README's example runs
+backward and ``opt.update``, one ``mx.eval``, as docs/fully-shard.md's example runs
 them): its peak is in the backward pass, where the gathered parameters live.
 Each rank's parameter and gradient bytes are checked too, and the peak
 includes the activations, which the planner leaves out.

@@ -9,7 +9,7 @@ prints the maximum over ranks and the FSDP/DDP ratios.
     MLX_MPI_LIBNAME=libmpi.so.40 mpirun --allow-run-as-root --oversubscribe \\
         -x MLX_MPI_LIBNAME -n 4 python benchmarks/bench_state.py
 
-(the ``mpirun`` line as root on Debian: see the top-level README's Launching.)
+(the ``mpirun`` line as root on Debian: see docs/launching.md.)
 Rank 0 shows its progress (steps done, steps per second) on stderr.
 """
 

@@ -174,26 +174,19 @@ def fsdp_step(
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
 
-    Each step buckets the gradients by dtype (at most ``communication_size``
-    bytes per bucket), lays each bucket out as one flat vector split into N
-    shards, reduce-scatters each bucket, clips by the global norm, runs the
-    optimizer on this rank's shards and all-gathers the updated parameters.
-    ``update`` only builds this graph; the caller's ``mx.eval`` runs it,
-    together with the forward and backward pass. Every step first checks,
-    with one small all-gather, that every rank takes the same step with the
-    same plan and settings.
+    ``update`` only builds the step's graph (check, reduce-scatter, clip,
+    update this rank's shards, all-gather); the caller's ``mx.eval`` runs it,
+    together with the forward and backward pass. Each phase, the buckets'
+    layout and the memory: docs/step.md.
 
     On a model whose modules are wrapped with :func:`mlx_fsdp.fully_shard`
     (parameters sharded too), the gradients of those modules arrive reduced
     and shaped like the shards; the step updates them in place, with no
     reduce-scatter or all-gather of its own, and every option below works.
 
-    Element-wise optimizers (SGD, RMSprop, Adagrad, AdaDelta, Adam, AdamW,
-    Adamax, Lion, and Muon on 0-D/1-D arrays) update this rank's shard of
-    each bucket as one array. Shape-aware ones (Muon on >= 2-D arrays,
-    Adafactor, and any optimizer class mlx_fsdp does not know) run
-    unmodified on whole arrays, each kept on one owner rank chosen to
-    balance the work (see :mod:`mlx_fsdp.owners`). Both are exact.
+    Element-wise optimizers update flat shards; shape-aware ones (Muon,
+    Adafactor, unknown classes) whole arrays on owner ranks. Both are exact;
+    which optimizer gets which: docs/optimizers.md.
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer, or a

@@ -21,9 +21,8 @@ def hybrid_groups(
         shard, replica = mlx_fsdp.hybrid_groups(2)   # 4 ranks: 2 x 2
         opt = mlx_fsdp.fsdp_step(optim.AdamW(1e-3), group=shard, dp_group=replica)
 
-    Needs ``Group.split``, which MPI and NCCL have and ring and JACCL do not.
-    On MPI, drop the groups (and the optimizer holding them) before the
-    process exits: a split group freed after MPI_Finalize aborts the job.
+    Needs ``Group.split`` (MPI, NCCL); on MPI, drop the groups before the
+    process exits. Both explained in docs/hybrid.md.
 
     Args:
         shard_size (int): Ranks per shard group; must divide the group size.

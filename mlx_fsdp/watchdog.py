@@ -13,6 +13,7 @@ The timeout is the ``timeout`` argument of the wrappers, else the environment
 variable :data:`ENV` (one setting for every wrapper of a job), else
 :data:`DEFAULT_TIMEOUT`; ``0`` turns the watchdog off (:func:`resolve_timeout`).
 
+What a job sees, and the waits measured: docs/reliability.md#the-watchdog.
 There are three kinds of wait:
 
 * *exact*: a collective the library makes and waits for itself (the
@@ -56,7 +57,7 @@ EXIT_CODE = 124
 #: Seconds a rank may wait for its peers unless told otherwise: the longest
 #: time one rank may spend alone between two collectives while the others
 #: wait (rank 0 evaluating or saving by itself); the library's own long waits
-#: make progress or get an allowance (see the README's measurements).
+#: make progress or get an allowance (docs/reliability.md#the-watchdog measures them).
 #: PyTorch's NCCL watchdog uses the same 10 minutes.
 DEFAULT_TIMEOUT = 600.0
 #: The environment variable that sets the timeout of every wrapper of a job.

@@ -1,8 +1,8 @@
 """The front page and the manual stay true: links resolve, and the loops on README.md run.
 
-Every relative link and ``#anchor`` in README.md and docs/*.md must name an
-existing file and, for a Markdown file, one of its headings, with GitHub's
-anchor rules. Every ```python block on the front page must follow an
+Every relative link and ``#anchor`` in README.md, docs/*.md and
+benchmarks/README.md must name an existing file and, for a Markdown file, one
+of its headings, with GitHub's anchor rules. Every ```python block on the front page must follow an
 ``<!-- example: ... -->`` comment and is run as written, in one process and
 on 2 ring ranks.
 """
@@ -17,6 +17,8 @@ import pytest
 from launch import ROOT, run_script
 
 PAGES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+#: Checked for links too: the benchmarks' page links back into the manual.
+LINKED = [*PAGES, os.path.join(ROOT, "benchmarks", "README.md")]
 LINK = re.compile(r"(?<!\!)\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
 
@@ -71,7 +73,7 @@ def test_duplicate_headings_are_numbered(tmp_path):
     assert anchors(str(page)) == {"a", "notes", "notes-1", "notes-2"}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("page", LINKED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_relative_link_and_anchor_resolves(page):
     broken = []
     for target in LINK.findall(prose(open(page, encoding="utf-8").read())):

@@ -310,7 +310,7 @@ def test_fit_needs_a_width_and_memory(capsys):
 
 # Measured against the real wrappers on real ranks (benchmarks/bench_plan_memory.py).
 
-#: measured / predicted peak (README, "Will it fit?"). The prediction leaves
+#: measured / predicted peak (docs/memory-planner.md, "Margin"). The prediction leaves
 #: out the optimizers' temporaries and what MLX evaluates side by side, which
 #: on these small models is most of a step. Measured here (float32, N=2 and
 #: 4, two runs each, 2026-11-23): FSDP with element-wise optimizers

@@ -30,12 +30,8 @@ def fully_shard(module: nn.Module, *, group: Optional[mx.distributed.Group] = No
     under ``"module"`` in the parameter tree, and after ``nn.value_and_grad``
     each parameter's gradient is this rank's axis-0 slice of the gradient
     averaged over the ranks, as data parallelism averages it. Unlike MLX's,
-    it runs on every backend (ring and MPI through the reduce-scatter of
-    :mod:`mlx_fsdp.collectives`), takes any parameter (axis 0 not divisible by
-    N, 1-D, scalars, mixed dtypes: the last ranks hold fewer rows, possibly
-    none), groups its collectives into buckets of ``communication_size``
-    bytes, and keeps the matrices of Muon and Adafactor whole on owner ranks
-    when ``placement`` says so.
+    it runs on every backend and takes any shape (the last ranks hold fewer
+    rows, possibly none); docs/fully-shard.md compares the two.
 
     .. code-block:: python
 
@@ -46,16 +42,11 @@ def fully_shard(module: nn.Module, *, group: Optional[mx.distributed.Group] = No
         loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
         opt.update(model, grads)                  # updates the shards where they are
 
-    Calling the wrapper all-gathers the module's parameters (one collective
-    per bucket, once the module's inputs exist), calls the module and puts
-    the shards back. In the backward pass the full gradients are
-    reduce-scattered, one bucket at a time, before the layers in front of the
-    module continue their backward pass, so they are freed as they come.
-    Wrap each transformer block, then the whole model: a block's full
-    parameters exist only while the block runs (and, without
-    ``reshard_after_forward``, until its backward pass). Floating-point
-    parameters are sharded; others (quantized weights) stay whole on every
-    rank. Frozen parameters are gathered too, without a reduce-scatter.
+    Calling the wrapper all-gathers the module's parameters, calls the module
+    and puts the shards back; the backward pass reduce-scatters the full
+    gradients. Wrap each transformer block, then the whole model. When the
+    parameters exist whole, and what is sharded (floating-point parameters;
+    quantized ones stay whole): docs/fully-shard.md.
 
     Args:
         module (mlx.nn.Module): The module to shard. Every rank must pass the

@@ -34,7 +34,7 @@ gradients, or under ``fully_shard`` of the fuller of the step and the
 forward and backward pass (the model-state peak; activations are excluded,
 as they are in DeepSpeed's estimator). It leaves out the optimizer's arithmetic
 temporaries and what MLX's scheduler keeps alive beyond the fullest phase,
-so it is a floor: the README states the margin measured against
+so it is a floor: docs/memory-planner.md states the margin measured against
 ``mx.get_peak_memory``.
 """
 

@@ -33,7 +33,7 @@ phases:
   as the gradients, alive until each update) and one array's **new**
   shard.
 
-Activations are left out, as in the other modes; the README states the
+Activations are left out, as in the other modes; docs/memory-planner.md states the
 margin measured against ``mx.get_peak_memory``.
 """
 

@@ -39,7 +39,7 @@ def reference(name, steps):
 def state_vs_reference(opt, ref_opt, group):
     """Largest difference between this rank's state and the plain state, cut independently.
 
-    The documented layout (README, "State layout"): a flat bucket is its arrays'
+    The documented layout (docs/optimizers.md, "State layout"): a flat bucket is its arrays'
     elements back to back (a sharded matrix column by column), zero-padded to
     N * cols; rank r holds elements [r * cols, (r + 1) * cols) and keeps, per
     array, the state of its piece of that range. Owned arrays are held whole
