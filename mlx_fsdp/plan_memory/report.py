@@ -63,10 +63,12 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
     if mode == "fsdp":
         one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
         floor = one.parameters + one.gradients + one.activations
+        parts = ["parameters", "gradients"] + ["activations"] * (one.activations > 0)
         if options.get("accumulation") == "local":
             floor += one.accumulation
+            parts.append("accumulated gradients")
         if floor > memory:
-            return None, (f"parameters and gradients alone take {gib(floor)} "
+            return None, (f"{', '.join(parts[:-1])} and {parts[-1]} alone take {gib(floor)} "
                           "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:
