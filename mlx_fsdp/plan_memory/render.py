@@ -2,16 +2,18 @@
 
 from . import fit, shapes
 from .buffers import BACKENDS, default_communication_size
+from .estimate import shape_only
 from .report import LABELS, describe, gib, table, verdicts
 
 
 def render(model: shapes.Model, args, results, needed, resharded) -> str:
     """The terminal report: a header, then a table and verdicts per optimizer."""
-    first = results[args.optimizer[0]][0].fullest
+    # The whole model's bytes (the first row may be a rank's shard of it).
+    _, total = shape_only(model, args.dtype)
     dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
     out = [
         f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
-        f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
+        f"{len(model.arrays)} arrays, {gib(total)} GiB ({'/'.join(dtypes)})",
         f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
         f"{_buckets(args)}",
         f"masters {args.master_dtype}, accumulation {args.accumulation}"
