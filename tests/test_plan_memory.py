@@ -260,13 +260,14 @@ def test_cli_shows_what_fully_sharding_saves(capsys):
     main(["--params", "8B", "--dtype", "bfloat16", "--master-dtype", "float32", "--memory",
           "64GiB", "--device", "gpu", "--backend", "jaccl", "--optimizer", "adamw"])
     text = capsys.readouterr().out
-    assert "N=8: DDP 136.57 GiB does not fit, FSDP 44.10 GiB fits, fully_shard 32.97 GiB fits" \
+    assert "N=8: DDP 171.80 GiB does not fit, FSDP 51.36 GiB fits, fully_shard 37.38 GiB fits" \
         in text
     assert ("fully_shard at N=8: parameters + gradients 3.74 GiB per rank (fsdp_step: 29.92), "
             "plus 14.96 GiB gathered at once") in text
     assert "with --reshard-after-forward (the root and one block gathered at a time): " \
-        "gathered 2.36 GiB, peak 20.38 GiB" in text
-    assert "In 64.00 GiB: DDP does not fit; FSDP fits from N=4; fully_shard fits from N=3" in text
+        "gathered 2.36 GiB, peak 24.78 GiB" in text
+    assert ("In 64.00 GiB: DDP does not fit; FSDP fits from N=5 (params dominates); "
+            "fully_shard fits from N=4 (opt state dominates)") in text
 
 
 def test_cli_says_when_gathering_alone_does_not_fit(capsys):
@@ -292,12 +293,13 @@ def test_fit_finds_the_most_layers_that_fit(capsys, tmp_path):
             model = shapes.llama(layers=layers, **fields)
             return max(r.peak for r in estimate(model, "adamw", f["mode"], 8,
                                                 reshard_after_forward=True, **EIGHT_B)) <= 32 * GIB
-        assert fits(f["layers"]) and not fits(f["layers"] + 1), f
-        assert f["parameters"] == shapes.llama(layers=f["layers"], **fields).num_parameters
+        assert (f["layers"] == 0 or fits(f["layers"])) and not fits(f["layers"] + 1), f
+        assert f["parameters"] == (f["layers"] and
+                                   shapes.llama(layers=f["layers"], **fields).num_parameters)
     layers = [f["layers"] for f in found]
     assert [f["mode"] for f in found] == ["ddp", "fsdp", "fully_shard"]
-    assert layers[0] < layers[1] < layers[2]
-    assert f"N=8: DDP {layers[0]} layers" in text and "218.1M parameters a layer" in text
+    assert layers[0] <= layers[1] < layers[2]
+    assert "N=8: DDP not one layer" in text and "218.1M parameters a layer" in text
 
 
 def test_fit_needs_a_width_and_memory(capsys):
@@ -310,25 +312,20 @@ def test_fit_needs_a_width_and_memory(capsys):
 
 # Measured against the real wrappers on real ranks (benchmarks/bench_plan_memory.py).
 
-#: measured / predicted peak (docs/memory-planner.md, "Margin"). The prediction leaves
-#: out the optimizers' temporaries and what MLX evaluates side by side, which
-#: on these small models is most of a step. Measured here (float32, N=2 and
-#: 4, two runs each, 2026-11-23): FSDP with element-wise optimizers
-#: 0.96-1.50, DDP with them 0.95-1.43, Muon and Adafactor 0.98-2.35. Below 1
-#: where the step frees an array's old value or gradient before the next
-#: array's update allocates (SGD, or a GPT with many small arrays).
-PEAK_RANGE = {"fsdp_elementwise": (0.85, 1.7), "ddp_elementwise": (0.85, 1.8),
-              "other": (0.85, 2.6)}
+#: measured / predicted peak: the prediction is an upper bound (temporaries
+#: and activations included), so measured <= predicted (the 1.0 is the
+#: contract). Measured 2026-11-25 (--hidden 256, MLP and GPT, DDP and FSDP,
+#: every optimizer): ring N=2 0.630-0.972, MPI N=4 0.655-0.972; the low end
+#: 0.45 is below the loosest measured point (0.630) to leave room for noise.
+PEAK_RANGE = {"fsdp_elementwise": (0.45, 1.0), "ddp_elementwise": (0.45, 1.0),
+              "other": (0.45, 1.0)}
 
-#: Fully sharded training, measured / predicted over whole steps (forward,
-#: backward, update; activations included, which the planner leaves out).
-#: This test's points (MPI N=3, MLP 4 x 256 and the GPT, bfloat16 with float32
-#: masters, 2026-11-25, two runs, identical): AdamW 1.23-1.66, Adafactor
-#: 1.23-2.05. Over ring N=2 and MPI N=3, float32 and bfloat16, both
-#: reshard_after_forward settings, MLP 4 x 256 / 512, GPT 2 x 128 / 4 x 256:
-#: AdamW and SGD 1.06-1.69, Adafactor 1.23-2.10; with mx.set_memory_limit(1 MiB)
-#: (no allocation ahead of the work) 0.82-1.20 and 0.87-1.53.
-FULLY_RANGE = {"elementwise": (0.8, 2.0), "other": (0.85, 2.6)}
+#: Fully sharded training over whole steps, the activations of these
+#: (not Llama-shaped) models measured by the bench and given to the planner.
+#: Measured 2026-11-25 (MPI N=3, bfloat16, AdamW and Adafactor, reshard after
+#: forward off and on): 0.404-0.692; the loosest point is GPT Adafactor with
+#: reshard on (0.404, predicted 2.47x measured), so the low end is 0.35.
+FULLY_RANGE = {"elementwise": (0.35, 1.0), "other": (0.35, 1.0)}
 
 
 def _bench(n, tmp_path, *args):
@@ -368,3 +365,27 @@ def test_masters_and_accumulation_bytes_equal_measured(tmp_path):
         for r in rows:
             assert r["equal"], r
             assert r["masters_measured"][0] > 0 and r["accumulation_measured"][0] > 0, r
+
+
+def test_activations_bound_a_real_mlx_lm_llama():
+    """measured <= predicted <= 1.7 x measured for a tiny mlx-lm Llama on the CPU,
+    with and without mx.checkpoint per block (benchmarks/bench_activations.py)."""
+    pytest.importorskip("mlx_lm")
+    import sys
+    sys.path.insert(0, "benchmarks")
+    from bench_activations import measure
+    from mlx_fsdp.plan_memory.activations import Shape, activation_bytes
+    shape = Shape(2, 128, 352, 512, 4, 2)
+    for checkpoint in (False, True):
+        got = measure(shape, 2, 128, "float32", checkpoint, 1)
+        want = activation_bytes(shape, 2, 128, 4, checkpoint, "cpu")
+        assert got <= want <= 1.7 * got, (checkpoint, got, want)
+
+
+def test_batch_flags_answer_smallest_n_and_largest_batch(capsys):
+    main(["--params", "8B", "--memory", "32GiB", "--batch-size", "4", "--seq-len", "2048",
+          "--device", "gpu", "--backend", "jaccl", "--optimizer", "adamw", "--mode", "fsdp",
+          "fully_shard", "--ranks", "8", "--master-dtype", "none", "--grad-checkpoint"])
+    text = capsys.readouterr().out
+    assert "temps" in text and "acts" in text and "activations of batch 4 x 2048" in text
+    assert "largest batch at N=8" in text

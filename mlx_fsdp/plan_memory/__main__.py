@@ -11,12 +11,15 @@ import json
 import re
 import sys
 
+import mlx.core as mx
+
 from . import fit, optimizers, shapes
 from .buffers import BACKENDS, DEVICES, default_device
 from .estimate import ACCUMULATION, MODES, estimate_ranks
 from .fully import WRAPS
 from .render import render, render_fit
-from .report import Row, fewest_ranks
+from .activations import activation_bytes, llama_shape
+from .report import Row, dominant, fewest_ranks, largest_batch
 
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b?)", re.IGNORECASE)
 
@@ -78,6 +81,14 @@ def parse_args(argv=None):
     g.add_argument("--accumulation", choices=ACCUMULATION, default="none",
                    help="gradient accumulation buffer: none (default), local (a full "
                    "gradient) or sharded (FSDP: this rank's 1/N)")
+    g = p.add_argument_group("activations (a Llama-style description or mlx-lm directory)")
+    g.add_argument("--batch-size", type=int, default=0,
+                   help="sequences per rank and step, as mlx-lm's --batch-size (default 0: "
+                   "no activations counted)")
+    g.add_argument("--seq-len", type=int, default=2048,
+                   help="tokens per sequence, as mlx-lm's --max-seq-length (default 2048)")
+    g.add_argument("--grad-checkpoint", action="store_true",
+                   help="mx.checkpoint around every block, as mlx-lm's --grad-checkpoint")
     g = p.add_argument_group("fully sharded training (--mode fully_shard)")
     g.add_argument("--wrap", choices=WRAPS, default="blocks",
                    help="blocks: fully_shard each block (the module at a path's first "
@@ -104,6 +115,11 @@ def parse_args(argv=None):
                 "(--params 7B, or --layers/--dims/--ffn/--vocab/--heads), not both")
     if min(args.ranks) < 1 or args.max_ranks < 1:
         p.error(f"--ranks {args.ranks} and --max-ranks {args.max_ranks} must be >= 1")
+    if args.batch_size < 0 or args.seq_len < 1:
+        p.error(f"--batch-size {args.batch_size} must be >= 0 and --seq-len {args.seq_len} "
+                ">= 1; pass the sizes you train with")
+    if args.fit and args.batch_size:
+        p.error("--fit does not count activations yet; leave out --batch-size")
     if args.fit and (args.memory is None or args.model is not None or args.layers is not None):
         p.error("--fit grows the layer count of a shape description: give --memory and "
                 "--params (or --dims/--ffn/--vocab/--heads), without MODEL and --layers")
@@ -132,6 +148,15 @@ def load_model(p, args) -> shapes.Model:
     return shapes.llama(**shape_fields(p, args))
 
 
+def activations_of(model: shapes.Model, args):
+    """``batch -> activation bytes`` of ``model`` at ``--seq-len`` (a Llama-style model)."""
+    shape = llama_shape(model)
+    dtype = args.dtype or sorted(a.dtype for a in model.arrays)[0]
+    size = getattr(mx, dtype).size
+    return lambda batch: activation_bytes(shape, batch, args.seq_len, size,
+                                          args.grad_checkpoint, args.device)
+
+
 def options_of(args) -> dict:
     """The keyword arguments of :func:`estimate_ranks` the flags set."""
     return dict(dtype=args.dtype, communication_size=args.communication_size,
@@ -146,6 +171,8 @@ def plan(model: shapes.Model, args):
     ``--memory``), and fully_shard at the largest N with reshard_after_forward (where it
     is off and every block is wrapped)."""
     options = options_of(args)
+    if args.batch_size:
+        options["activations"] = activations_of(model, args)(args.batch_size)
     results = {
         name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
                for mode in args.mode for n in sorted(set(args.ranks))]
@@ -157,6 +184,15 @@ def plan(model: shapes.Model, args):
         for name in args.optimizer:
             n, why = fewest_ranks(model, name, args.memory, args.max_ranks, mode, **options)
             needed.setdefault(mode, {})[name] = {"world_size": n, "why": why}
+            if n is not None:
+                rank = Row(name, mode, n, estimate_ranks(model, name, mode, n, **options)).fullest
+                needed[mode][name]["dominates"] = dominant(rank)
+            if args.batch_size:
+                at = max(args.ranks)
+                options_b = {k: v for k, v in options.items() if k != "activations"}
+                needed[mode][name]["largest_batch"] = (at, largest_batch(
+                    model, name, mode, at, args.memory, activations_of(model, args),
+                    **options_b))
     resharded = {}
     if "fully_shard" in args.mode and args.wrap == "blocks" and not args.reshard_after_forward:
         n, options["reshard_after_forward"] = max(args.ranks), True

@@ -113,8 +113,34 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     return bucket.vector if method == "exchange" else 2 * bucket.vector
 
 
+def fsdp_phases(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int, int]:
+    """``(reducing, updating, gathered)``: one FSDP rank's buffers in its two phases.
+
+    ``reducing``: what every other bucket keeps, plus the largest bucket's
+    reduce-scatter buffers. ``updating``: what every bucket keeps, the copies
+    the division by ``N`` makes of it, and the fullest bucket's updated
+    pieces and packed shard; ``gathered``: that bucket's all-gathered vector.
+    ``(0, 0, 0)`` without buckets.
+    """
+    if not buckets:
+        return 0, 0, 0
+    # Only what a rank keeps of an output keeps it alive: none of an owner
+    # bucket whose arrays are all another rank's.
+    mine = [b for b in buckets if b.held]
+    kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
+    reduced = sum(kept.values())
+    # While one bucket is reduced: its buffers, next to what the others keep.
+    reducing = reduced + max((reduce_buffers(b, method) for b in mine), default=0)
+    fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
+    divided = sum(b.held for b in mine)
+    return reducing, reduced + divided + fullest.held + fullest.packed, fullest.gathered
+
+
 def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]:
     """``(communication, new parameters)`` of one FSDP rank (see the module docstring).
+
+    The floor of the two phases of :func:`fsdp_phases`, one at a time, without
+    the division's copies (which live next to the optimizer's temporaries).
 
     Args:
         buckets (list[BucketBytes]): The rank's bytes of every bucket.
@@ -125,18 +151,11 @@ def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]
     """
     if not buckets:
         return 0, 0
-    # Only what a rank keeps of an output keeps it alive: none of an owner
-    # bucket whose arrays are all another rank's.
-    mine = [b for b in buckets if b.held]
-    kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
-    reduced = sum(kept.values())
-    # While one bucket is reduced: its buffers, next to what the others keep.
-    reducing = reduced + max((reduce_buffers(b, method) for b in mine), default=0)
-    fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
-    gathering = reduced + fullest.held + fullest.packed
-    if reducing > gathering + fullest.gathered:
+    reducing, updating, gathered = fsdp_phases(buckets, method)
+    gathering = updating - sum(b.held for b in buckets if b.held)
+    if reducing > gathering + gathered:
         return reducing, 0
-    return gathering, fullest.gathered
+    return gathering, gathered
 
 
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,

@@ -29,22 +29,23 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
   backward pass, and the full gradients of one of them before its
   reduce-scatter.
 
-The **peak** is their sum: the memory of one optimizer step given the
-gradients, or under ``fully_shard`` of the fuller of the step and the
-forward and backward pass (the model-state peak; activations are excluded,
-as they are in DeepSpeed's estimator). It leaves out the optimizer's arithmetic
-temporaries and what MLX's scheduler keeps alive beyond the fullest phase,
-so it is a floor: docs/memory-planner.md states the margin measured against
-``mx.get_peak_memory``.
+* **temporaries**: the optimizer's arithmetic and what MLX's run-ahead
+  keeps alive next to it (:mod:`mlx_fsdp.plan_memory.transient`);
+* **activations**: one batch's forward and backward pass, given
+  (:mod:`mlx_fsdp.plan_memory.activations`).
+
+The **peak** is their sum, an upper bound of one training step
+(``benchmarks/bench_plan_memory.py`` measures the margin).
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import fully, optimizers
+from .transient import temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
 from .shapes import Model
@@ -110,6 +111,8 @@ class RankMemory:
     new_parameters: int
     gathered: int = 0
     full_gradients: int = 0
+    temporaries: int = 0
+    activations: int = 0
 
     @property
     def peak(self) -> int:
@@ -120,10 +123,10 @@ class RankMemory:
         return dict(asdict(self), peak=self.peak)
 
 
-def ddp_memory(optimizer, flat, param_bytes: int, world_size: int, communication_size: int,
+def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                master_dtype: Optional[mx.Dtype], accumulation: str) -> RankMemory:
-    """Every rank of ``ddp_step``: the plain optimizer on whole arrays."""
-    state = plain_state(optimizer, flat, master_dtype)
+    """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
+    state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
     comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
     return RankMemory(
@@ -131,21 +134,22 @@ def ddp_memory(optimizer, flat, param_bytes: int, world_size: int, communication
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=comm, new_parameters=new,
+        temporaries=temporaries(name, flat, master_dtype),
     )
 
 
-def fsdp_memory(make_optimizer, flat, param_bytes: int, world_size: int, communication_size: int,
+def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                 master_dtype: Optional[mx.Dtype], accumulation: str,
                 reduce_scatter: Optional[str] = None) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
-        return [ddp_memory(make_optimizer(), flat, param_bytes, 1, communication_size,
+        return [ddp_memory(name, flat, param_bytes, 1, communication_size,
                            master_dtype, accumulation)]
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     grads = tree_bytes(dict(flat))
     out = []
     for rank in range(world_size):
-        state = _fsdp_state(make_optimizer(), flat, world_size, rank, communication_size,
+        state = _fsdp_state(optimizers.make(name), flat, world_size, rank, communication_size,
                             None, master_dtype)
         pieces = tree_bytes(state["gradient"])
         comm, new = fsdp_buffers(state["buckets"], method)
@@ -154,11 +158,15 @@ def fsdp_memory(make_optimizer, flat, param_bytes: int, world_size: int, communi
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=comm, new_parameters=new,
+            # and the division by N's copy of what this rank reduced, and one
+            # more bucket vector that MLX's run-ahead packs before the last is freed
+            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype)
+            + pieces + max(b.vector for b in state["buckets"]),
         ))
     return out
 
 
-def fully_memory(make_optimizer, floating, trainable: Sequence[str], param_bytes: int,
+def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False) -> List[RankMemory]:
@@ -170,8 +178,9 @@ def fully_memory(make_optimizer, floating, trainable: Sequence[str], param_bytes
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
         flat = [(p, a) for p, a in floating if p in trained]
-        return [ddp_memory(make_optimizer(), flat, param_bytes, 1, communication_size,
+        return [ddp_memory(name, flat, param_bytes, 1, communication_size,
                            master_dtype, accumulation)]
+    make_optimizer = lambda: optimizers.make(name)  # noqa: E731
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
@@ -185,7 +194,8 @@ def fully_memory(make_optimizer, floating, trainable: Sequence[str], param_bytes
         grads = held["gradients"]
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
-                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
+                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]),
+                      temporaries=temporaries(name, held["pieces"], master_dtype))
         passing = units.gathered + units.full_gradients + units.communication
         if passing >= grads + held["largest"]:  # the backward pass is the fuller phase
             out.append(RankMemory(**common, communication=units.communication, new_parameters=0,
@@ -210,6 +220,7 @@ def estimate_ranks(
     wrap: str = "blocks",
     reshard_after_forward: bool = False,
     every_rank: bool = False,
+    activations: int = 0,
 ) -> List[RankMemory]:
     """The bytes every rank holds in one configuration.
 
@@ -239,6 +250,9 @@ def estimate_ranks(
             Default: ``False``.
         every_rank (bool): ``fully_shard``: every rank's, also where rank 0
             is the fullest. Default: ``False``.
+        activations (int): Bytes of one rank's forward and backward pass
+            (:func:`mlx_fsdp.plan_memory.activations.activation_bytes`).
+            Default: ``0``.
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
@@ -252,6 +266,15 @@ def estimate_ranks(
         )
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
+    if not isinstance(activations, int) or activations < 0:
+        raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
+    ranks = _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
+                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank)
+    return [replace(r, activations=activations) for r in ranks]
+
+
+def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
+           accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank):
     optimizers.make(optimizer)
     if communication_size is None:
         communication_size = default_communication_size(mode, device or default_device())
@@ -259,16 +282,15 @@ def estimate_ranks(
     master = None if master_dtype is None else getattr(mx, master_dtype)
     if mode == "ddp":
         local = "none" if accumulation == "none" else "local"
-        return [ddp_memory(optimizers.make(optimizer), flat, param_bytes, world_size,
+        return [ddp_memory(optimizer, flat, param_bytes, world_size,
                            communication_size, master, local)]
-    make = lambda: optimizers.make(optimizer)  # noqa: E731
     if mode == "fsdp":
-        return fsdp_memory(make, flat, param_bytes, world_size, communication_size, master,
+        return fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
                            accumulation, reduce_scatter)
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
-    return fully_memory(make, floating, list(trained), param_bytes, world_size,
+    return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
                         reshard_after_forward, every_rank)

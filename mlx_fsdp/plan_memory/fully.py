@@ -180,11 +180,12 @@ def rank_bytes(units: Units, optimizer, rank: int,
     """What ``rank`` holds: parameters, gradients, optimizer state, masters, largest piece.
 
     Returns:
-        dict: ``"parameters"``, ``"gradients"``, ``"largest"`` (bytes) and
-        ``"optimizer"``, ``"master"`` (the state trees, shape-only).
+        dict: ``"parameters"``, ``"gradients"``, ``"largest"`` (bytes),
+        ``"optimizer"``, ``"master"`` (the state trees, shape-only) and
+        ``"pieces"`` (``(path, array)`` of the gradients it updates, shape-only).
     """
     params, grads, largest, flat_grads = _held(units.plans, units.trainable, rank)
     masters: dict = {}
     init_held(units.step, optimizer, [a for _, a in flat_grads], rank, masters, master_dtype)
     return {"parameters": params, "gradients": grads, "largest": largest,
-            "optimizer": optimizer.state, "master": masters}
+            "optimizer": optimizer.state, "master": masters, "pieces": flat_grads}

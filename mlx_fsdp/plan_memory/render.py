@@ -2,16 +2,18 @@
 
 from . import fit, shapes
 from .buffers import BACKENDS, default_communication_size
+from .estimate import shape_only
 from .report import LABELS, describe, gib, table, verdicts
 
 
 def render(model: shapes.Model, args, results, needed, resharded) -> str:
     """The terminal report: a header, then a table and verdicts per optimizer."""
-    first = results[args.optimizer[0]][0].fullest
+    # The whole model's bytes (the first row may be a rank's shard of it).
+    _, total = shape_only(model, args.dtype)
     dtypes = sorted({a.dtype for a in model.arrays}) if args.dtype is None else [args.dtype]
     out = [
         f"{model.name}: {model.num_parameters / 1e9:.3f}B parameters, "
-        f"{len(model.arrays)} arrays, {gib(first.parameters)} GiB ({'/'.join(dtypes)})",
+        f"{len(model.arrays)} arrays, {gib(total)} GiB ({'/'.join(dtypes)})",
         f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
         f"{_buckets(args)}",
         f"masters {args.master_dtype}, accumulation {args.accumulation}"
@@ -37,7 +39,10 @@ def header_tail(args) -> list:
     out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step"
                + (" or fully_shard's forward and backward pass (gathered, full grads), "
                   "whichever is fuller," if "fully_shard" in args.mode else ",")
-               + " without activations and the optimizer's arithmetic temporaries")
+               + " temporaries (temps) and activations (acts) included: an upper bound"
+               + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
+                  + (" with mx.checkpoint per block" if args.grad_checkpoint else "")
+                  if getattr(args, "batch_size", 0) else "; no batch given (--batch-size)"))
     return out
 
 
@@ -87,8 +92,12 @@ def _needed_line(rows, needed: dict, name: str, memory: int) -> str:
         parts.append(f"DDP fits at N={','.join(ddp)}" if ddp else "DDP does not fit")
     for mode, by_name in needed.items():
         n, why = by_name[name]["world_size"], by_name[name]["why"]
-        parts.append(f"{LABELS[mode]} fits from N={n}" if n is not None
-                     else f"{LABELS[mode]} does not fit: {why}")
+        entry = by_name[name]
+        parts.append(f"{LABELS[mode]} fits from N={n} ({entry['dominates']} dominates)"
+                     if n is not None else f"{LABELS[mode]} does not fit: {why}")
+        if "largest_batch" in entry:
+            at, batch = entry["largest_batch"]
+            parts[-1] += f", largest batch at N={at}: {batch}"
     return f"In {gib(memory)} GiB: " + "; ".join(parts)
 
 

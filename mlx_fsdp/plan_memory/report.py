@@ -62,11 +62,13 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
     """
     if mode == "fsdp":
         one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
-        floor = one.parameters + one.gradients
+        floor = one.parameters + one.gradients + one.activations
+        parts = ["parameters", "gradients"] + ["activations"] * (one.activations > 0)
         if options.get("accumulation") == "local":
             floor += one.accumulation
+            parts.append("accumulated gradients")
         if floor > memory:
-            return None, (f"parameters and gradients alone take {gib(floor)} "
+            return None, (f"{', '.join(parts[:-1])} and {parts[-1]} alone take {gib(floor)} "
                           "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:
@@ -89,7 +91,36 @@ def gib(nbytes: int) -> str:
 COLUMNS = {"params": "parameters", "grads": "gradients", "accum": "accumulation",
            "opt state": "optimizer", "masters": "masters", "gathered": "gathered",
            "full grads": "full_gradients", "comm": "communication",
-           "new params": "new_parameters", "peak": "peak"}
+           "new params": "new_parameters", "temps": "temporaries",
+           "acts": "activations", "peak": "peak"}
+
+
+def dominant(rank: RankMemory) -> str:
+    """The column of the largest part of a rank's peak."""
+    parts = {c: getattr(rank, f) for c, f in COLUMNS.items() if f != "peak"}
+    return max(parts, key=parts.get)
+
+
+def largest_batch(model: Model, optimizer: str, mode: str, world_size: int, memory: int,
+                  activations_of, limit: int = 1 << 16, **options) -> int:
+    """The largest batch size whose fullest rank fits ``memory`` at ``world_size`` (0: none).
+
+    ``activations_of(batch)``: the activation bytes of a batch of that size.
+    """
+    def fits(batch: int) -> bool:
+        ranks = estimate_ranks(model, optimizer, mode, world_size,
+                               activations=activations_of(batch), **options)
+        return max(r.peak for r in ranks) <= memory
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def table(rows: Sequence[Row], memory: Optional[int], lead=None) -> str:

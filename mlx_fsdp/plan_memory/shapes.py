@@ -41,10 +41,13 @@ class Model:
     Attributes:
         name (str): What to call it in the output.
         arrays (tuple[Array]): Every array, in a fixed order.
+        heads (int, optional): Attention heads, where known (a description or
+            a ``config.json``), for the activations. Default: ``None``.
     """
 
     name: str
     arrays: Tuple[Array, ...]
+    heads: Optional[int] = None
 
     @property
     def num_parameters(self) -> int:
@@ -126,7 +129,7 @@ def llama(layers: int, dims: int, ffn: int, vocab: int, heads: int,
     if name is None:
         name = (f"Llama-style, {layers} layers, dims {dims}, ffn {ffn}, vocab {vocab}, "
                 f"{heads} heads" + (f" ({kv_heads} kv)" if kv_heads != heads else ""))
-    return Model(name, tuple(arrays))
+    return Model(name, tuple(arrays), heads)
 
 
 def from_safetensors(*paths: str, name: Optional[str] = None) -> Model:
@@ -179,9 +182,13 @@ def from_directory(path: str) -> Model:
     """A model directory: its safetensors headers, or else its ``config.json``."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     name = os.path.basename(os.path.normpath(path))
-    if files:
-        return from_safetensors(*files, name=name)
     config = os.path.join(path, "config.json")
+    if files:
+        heads = None
+        if os.path.exists(config):
+            with open(config) as f:
+                heads = json.load(f).get("num_attention_heads")
+        return Model(name, from_safetensors(*files, name=name).arrays, heads)
     if not os.path.exists(config):
         raise ValueError(
             f"{path} holds neither *.safetensors nor config.json; pass an mlx-lm "

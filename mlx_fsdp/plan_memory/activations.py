@@ -1,0 +1,136 @@
+"""Activations: what a Llama-style forward and backward pass keeps for one batch.
+
+``mlx.nn.value_and_grad`` keeps every array a later gradient needs until
+the backward pass reaches it. For one decoder layer (mlx-lm's ``llama``:
+RMS norm, grouped-query attention with RoPE, SwiGLU MLP) that is, per
+token, in the parameters' dtype: the layer's input and its two normalized
+copies, the queries, keys and values before and after RoPE, the attention
+output (and its contiguous copy), the residual sum, the gate, up and SwiGLU
+products and the MLP's output: :data:`PER_LAYER` counts them in units of
+``dims``, ``kv_dims`` and ``ffn``.
+
+Attention's ``heads x seq x seq`` scores: on the CPU, MLX computes
+``mx.fast.scaled_dot_product_attention`` with its unfused operations, so
+every layer keeps its scores and probabilities (float32) for its backward
+pass; on a GPU the fused kernel keeps none, and the backward pass
+recomputes them one layer at a time (:data:`SCORES`).
+
+The head's logits (``batch x seq x vocab``) and the loss's gradient of them
+(:data:`LOGITS` copies), and, in the backward pass of the fullest layer,
+its gradients of what it kept (:data:`BACKWARD` times a layer's
+activations), come on top.
+
+With ``mx.checkpoint`` around every block (``checkpoint=True``, as
+``mlx_lm.tuner.trainer.grad_checkpoint`` wraps them), a block keeps only
+its input, and the backward pass recomputes one block's activations at a
+time. ``benchmarks/bench_activations.py`` measures a real mlx-lm model
+against these counts.
+"""
+
+from typing import NamedTuple
+
+#: Arrays one layer keeps per token, in units of (dims, kv_dims, ffn); fitted
+#: to mlx-lm's llama on the CPU (``benchmarks/bench_activations.py``).
+PER_LAYER = (8, 2, 3)
+#: Arrays of ``batch x heads x seq x seq`` scores per layer, in the
+#: activations' dtype: (kept by every layer, alive in one backward pass).
+SCORES = {"cpu": (2, 0), "gpu": (0, 3)}
+#: Copies of the ``batch x seq x vocab`` logits alive at once: the logits, the
+#: loss's softmax and their gradients (without, with ``mx.checkpoint``).
+LOGITS = (4, 2)
+#: The backward pass of the fullest block, in its kept activations: its
+#: gradients (and with ``mx.checkpoint`` its recomputed activations too).
+BACKWARD = (1, 3)
+#: Bytes of half-precision activations per nominal byte (float32 steps inside).
+HALF = 1.2
+#: What a checkpointed block keeps, in units of ``dims`` per token.
+CHECKPOINTED = 3
+
+
+class Shape(NamedTuple):
+    """What the activations depend on: a Llama-style model's dimensions.
+
+    Attributes:
+        layers (int): Decoder layers.
+        dims (int): Model width.
+        ffn (int): MLP hidden width.
+        vocab (int): Vocabulary size.
+        heads (int): Attention heads.
+        kv_heads (int): Key/value heads.
+    """
+
+    layers: int
+    dims: int
+    ffn: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+
+def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
+                     checkpoint: bool = False, device: str = "gpu") -> int:
+    """Bytes the forward and backward pass of one batch holds at its fullest.
+
+    Args:
+        shape (Shape): The model's dimensions.
+        batch_size (int): Sequences per batch (mlx-lm's ``--batch-size``).
+        seq_len (int): Tokens per sequence (mlx-lm's ``--max-seq-length``).
+        itemsize (int): Bytes per element of the activations (the
+            parameters' dtype).
+        checkpoint (bool): ``mx.checkpoint`` around every block. Default: ``False``.
+        device (str): ``"cpu"`` or ``"gpu"`` (see the module docstring).
+            Default: ``"gpu"``.
+
+    Returns:
+        int: Bytes; 0 when ``batch_size`` or ``seq_len`` is 0.
+    """
+    for key, value in dict(batch_size=batch_size, seq_len=seq_len).items():
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key}={value!r} must be an integer >= 0; pass the batch "
+                             "size and sequence length you train with (0: no activations).")
+    if device not in SCORES:
+        raise ValueError(f"device={device!r} must be one of {', '.join(SCORES)}.")
+    tokens = batch_size * seq_len
+    if tokens == 0:
+        return 0
+    # Half-precision activations: softmax, norms and the loss take float32
+    # steps, measured at 0.57-0.60 of float32's bytes, not 0.5.
+    itemsize = itemsize * HALF if itemsize < 4 else itemsize
+    kv_dims = shape.kv_heads * (shape.dims // shape.heads)
+    c_d, c_kv, c_f = PER_LAYER
+    kept_scores, pass_scores = SCORES[device]
+    scores = batch_size * shape.heads * seq_len * seq_len * itemsize
+    layer = (tokens * (c_d * shape.dims + c_kv * kv_dims + c_f * shape.ffn) * itemsize
+             + kept_scores * scores)
+    logits = tokens * shape.vocab * itemsize
+    ck = int(checkpoint)
+    blocks = CHECKPOINTED * tokens * shape.dims * itemsize if checkpoint else layer
+    return int(shape.layers * blocks + LOGITS[ck] * logits + BACKWARD[ck] * layer
+               + pass_scores * scores)
+
+
+def llama_shape(model) -> Shape:
+    """The :class:`Shape` of a :class:`~mlx_fsdp.plan_memory.shapes.Model` with mlx-lm's
+    Llama paths (``model.layers.N.self_attn.q_proj.weight``, ...).
+
+    Raises:
+        ValueError: Where the paths are not a Llama-style decoder's.
+    """
+    by_path = {a.path: a.shape for a in model.arrays}
+    layers = 1 + max((int(p.split(".")[2]) for p in by_path if p.startswith("model.layers.")),
+                     default=-1)
+    try:
+        q = by_path["model.layers.0.self_attn.q_proj.weight"]
+        k = by_path["model.layers.0.self_attn.k_proj.weight"]
+        ffn = by_path["model.layers.0.mlp.gate_proj.weight"][0]
+        vocab, dims = by_path["model.embed_tokens.weight"]
+    except KeyError:
+        raise ValueError(
+            f"{model.name} is not a Llama-style decoder (no model.layers.0.self_attn."
+            "q_proj.weight, mlp.gate_proj.weight or model.embed_tokens.weight), so its "
+            "activations are unknown; leave out --batch-size and --seq-len, or describe "
+            "it with --params/--layers/--dims/--ffn/--vocab/--heads."
+        ) from None
+    heads = getattr(model, "heads", None) or max(1, dims // 128)
+    kv_heads = max(1, heads * k[0] // q[0])
+    return Shape(layers, dims, ffn, vocab, heads, kv_heads)

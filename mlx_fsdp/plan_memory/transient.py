@@ -1,0 +1,169 @@
+"""The optimizer's temporaries: what one array's update allocates, and how many run at once.
+
+An update (``apply_single`` of one array, or of this rank's piece of it)
+allocates a few arrays of its size on top of the state it replaces: AdamW's
+``(1 - b1) * g`` and ``g * g``, which cannot reuse the gradient's buffer
+because the caller still holds it, ``sqrt(v)``; Muon's Newton-Schulz
+products ``X X^T`` (``k x k``, ``k = min(rows, cols)``) and ``B X``; with
+master copies, the float32 copy of the gradient and the new parameter cast
+back. MLX reuses an input's buffer where nothing else holds it, so the rest
+costs nothing. Per optimizer, :data:`PROFILES` gives, in elements of the
+step's dtype:
+
+* ``total``: everything one update allocates (its new values included),
+  measured with the worker held back so that nothing is freed before the
+  last operation is queued (``mx.async_eval`` of a large product first);
+* ``live``: the most of it alive at once when MLX runs it alone with a
+  1-byte memory limit, which makes it free each buffer before queuing more;
+* ``ops``: the operations of one update (nodes of ``mx.export_to_dot``).
+
+``tests/test_plan_memory.py`` measures all three on the installed MLX.
+
+How many updates overlap (:func:`in_flight`): MLX orders a graph
+breadth-first at most ``MLX_BFS_MAX_WIDTH`` (20) nodes wide, and an
+update runs three or four independent chains (the moments, the parameter),
+so about :data:`CHAINS` updates are under way at once, each holding its
+``live`` bytes; and on top of that the main thread queues up to
+:data:`IN_FLIGHT_OPS` operations ahead of the worker, allocating their
+outputs when it queues them, so the ``total`` of the updates those
+operations belong to (largest first, a fraction of the last) can be alive
+too. Both constants are CPU measurements (mlx 0.32.4: ``10`` scheduler
+tasks of ``10`` dispatches, two dispatches per operation); on a GPU, Metal
+command buffers bound the same run-ahead and they are an assumption.
+"""
+
+import math
+from typing import List, NamedTuple, Sequence, Tuple
+
+from .optimizers import muon_filter
+
+#: Operations the CPU scheduler keeps queued ahead of the worker, measured:
+#: independent products of a held array, each followed by a sum that frees
+#: it, left 25 products allocated at once whatever their number (50 ops).
+IN_FLIGHT_OPS = 50
+
+#: Updates under way at once, each holding its ``live`` bytes: fitted to
+#: ``benchmarks/bench_plan_memory.py`` on the CPU (the BFS width over an
+#: update's three chains, 7, over-predicted every point by 1.2-1.9x).
+CHAINS = 2
+
+
+class Profile(NamedTuple):
+    """One update's cost in elements of the step's dtype per element updated."""
+
+    total: float
+    live: float
+    ops: int
+
+
+#: name -> profile of a vector (and of a matrix for the element-wise ones).
+PROFILES = {
+    "adamw": Profile(4, 2, 23),
+    "adam": Profile(4, 2, 19),
+    "sgd": Profile(1, 1, 7),
+    "lion": Profile(4, 2, 15),
+    "adafactor": Profile(5, 2, 37),
+}
+#: Adafactor on a matrix: its factored statistics take more operations.
+ADAFACTOR_MATRIX = Profile(5, 3, 62)
+#: Muon on a matrix: operations of five Newton-Schulz steps.
+MUON_OPS = 68
+#: With a master copy: the gradient cast up, the new parameter cast down.
+MASTER_OPS = 2
+
+
+class Update(NamedTuple):
+    """One array's (or piece's) update on one rank, in bytes and operations."""
+
+    total: int
+    live: int
+    ops: int
+
+
+def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int,
+                master_size: int = 0) -> Update:
+    """What updating one array (or this rank's piece of it) allocates.
+
+    Args:
+        optimizer (str): A key of :data:`mlx_fsdp.plan_memory.optimizers.OPTIMIZERS`.
+        path (str): The array's path (Muon leaves some arrays to AdamW).
+        shape (tuple): The shape updated (a piece's, under FSDP).
+        param_size (int): Bytes per element of the parameter.
+        master_size (int): Bytes per element of its master copy; 0 for none.
+
+    Returns:
+        Update: Bytes allocated in all, bytes alive at once, operations.
+    """
+    n = math.prod(shape)
+    size = master_size or param_size
+    # With a master: the gradient's copy in the master dtype, the new
+    # parameter in its own.
+    cast = n * (master_size + param_size) if master_size else 0
+    ops = MASTER_OPS if master_size else 0
+    matrix = len(shape) == 2 and n > 0
+    if optimizer == "muon" and matrix and muon_filter(path, _Shape(shape)):
+        rows, cols = shape
+        k = min(rows, cols)
+        # Newton-Schulz: X X^T and its products (k x k), B X and a X (rows x
+        # cols) per step, a transposed copy of a tall matrix.
+        total = (11 + (rows > cols)) * n + 10 * k * k
+        live = 3 * n + 3 * k * k
+        return Update(total * size + cast, live * size + cast, MUON_OPS + ops)
+    name = "adamw" if optimizer == "muon" else optimizer
+    profile = ADAFACTOR_MATRIX if name == "adafactor" and matrix else PROFILES[name]
+    return Update(int(profile.total * n * size) + cast, int(profile.live * n * size) + cast,
+                  profile.ops + ops)
+
+
+class _Shape(NamedTuple):
+    """What :func:`muon_filter` asks of an array: its number of dimensions."""
+
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def in_flight(updates: Sequence[Update]) -> Tuple[int, int]:
+    """``(chains, ahead)``: the bytes of updates under way side by side, and of
+    the ones the main thread queued ahead of the worker (see the module docstring).
+
+    ``chains``: the ``live`` bytes of the :data:`CHAINS` largest updates;
+    ``ahead``: the ``total`` bytes of the largest updates until their
+    operations make :data:`IN_FLIGHT_OPS` (the last one in proportion).
+    """
+    live = sorted((u.live for u in updates), reverse=True)
+    chains = sum(live[:CHAINS])
+    ahead, left = 0, IN_FLIGHT_OPS
+    for u in sorted(updates, key=lambda u: -u.total):
+        if left <= 0:
+            break
+        ahead += u.total * min(1.0, left / max(u.ops, 1))
+        left -= u.ops
+    return chains, int(ahead)
+
+
+def costs(optimizer: str, pieces: Sequence[Tuple[str, Sequence[int], int]],
+          master_size: int = 0) -> List[Update]:
+    """:func:`update_cost` of every ``(path, shape, bytes per element)`` with elements."""
+    return [update_cost(optimizer, path, shape, size, master_size if size != master_size else 0)
+            for path, shape, size in pieces if math.prod(shape)]
+
+
+def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None) -> int:
+    """Bytes of the optimizer's temporaries alive at once in one rank's step.
+
+    Args:
+        optimizer (str): A key of :data:`mlx_fsdp.plan_memory.optimizers.OPTIMIZERS`.
+        pieces (list): ``(path, array)`` of what this rank updates (whole
+            arrays, or its pieces of them), shape-only.
+        master_dtype (Dtype, optional): The masters' dtype. Default: ``None``.
+
+    Returns:
+        int: ``chains + ahead`` of :func:`in_flight`.
+    """
+    master_size = master_dtype.size if master_dtype is not None else 0
+    chains, ahead = in_flight(costs(optimizer, [(p, tuple(a.shape), a.dtype.size)
+                                                for p, a in pieces], master_size))
+    return chains + ahead
