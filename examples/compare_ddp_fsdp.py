@@ -6,7 +6,7 @@ update sharded); fully sharded (``fully_shard`` on every block and the whole
 model, then ``fsdp_step``: the parameters and gradients sharded too); then
 DDP again. They run one after the other, so each mode's peak memory is its
 own. By default the model is a 3.7M-parameter GPT (width 384, 2 blocks) on
-global batches of 8 rows of 16 bytes, 30 steps of AdamW at 1e-3: its
+global batches of 8 rows of 16 bytes, 30 steps of AdamW at 5e-4: its
 parameters, gradients and optimizer state, not its activations, fill most
 of a rank's memory, so the sharded modes' saving shows in the peak. The second DDP run measures the noise floor: where reductions are not
 bitwise deterministic (GPUs), two DDP runs of one configuration drift apart,
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.set_defaults(steps=30, dims=384, layers=2, batch_size=8, seq_len=16)
     args = p.parse_args(argv)
     if args.learning_rate is None and args.optimizer == "adamw":
-        args.learning_rate = 1e-3  # AdamW's 3e-3 makes this wider model's first steps climb
+        args.learning_rate = 5e-4  # AdamW's 3e-3 makes this wider model's first steps climb
     lm.check_args(p, args)
     return args
 
