@@ -405,3 +405,12 @@ def test_ring_local_refuses_a_missing_command():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "give -n >= 1 and a command after --" in proc.stderr
+
+
+def test_bench_fully_parts_times_every_part_on_two_ranks():
+    out = run_script(2, "benchmarks/bench_fully_parts.py",
+                     ["--hidden", 32, "--layers", 2, "--batch", 2, "--iters", 2, "--warmup", 1])
+    assert "N=2; MLP 2x32, batch 2 per rank; 2 rounds (ms)" in out
+    for part in ("plain forward", "fully sharded forward", "gather", "plain forward+backward",
+                 "fully sharded forward+backward", "sharded step", "fully sharded step"):
+        assert re.search(rf"^{re.escape(part)} +median +[\d.]+ +min +[\d.]+$", out, re.M), out
