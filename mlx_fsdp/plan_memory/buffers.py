@@ -42,14 +42,11 @@ are alive too: counted as the largest group. The updates then replace the
 old parameters array by array, so the new parameters count one array. One
 process (``N = 1``) has neither the averaging nor the buckets.
 
-Left out, and measured instead (docs/memory-planner.md): the optimizer's
-arithmetic temporaries, and what MLX keeps alive beyond this because it
-runs up to 20 independent operations side by side and, on the CPU,
-allocates each output when it queues the kernel, ahead of the queued
-kernels that free their inputs. On a model with few arrays that is most of
-the step at once, so the prediction is close to a floor (measured / predicted
-0.91-2.53 in its table; below 1 where an update frees an array before
-the next allocates).
+The optimizer's arithmetic temporaries, and what MLX keeps alive beyond
+these buffers because it runs up to 20 independent operations side by side
+and, on the CPU, allocates each output when it queues the kernel, are not
+counted here but in :mod:`mlx_fsdp.plan_memory.transient`; the margin
+measured against ``mx.get_peak_memory`` is in docs/memory-planner.md.
 """
 
 from typing import Optional, Sequence, Tuple

@@ -33,8 +33,10 @@ phases:
   as the gradients, alive until each update) and one array's **new**
   shard.
 
-Activations are left out, as in the other modes; docs/memory-planner.md states the
-margin measured against ``mx.get_peak_memory``.
+The optimizer's temporaries and, given a batch, the activations are added
+on top as in the other modes (:mod:`mlx_fsdp.plan_memory.estimate`);
+docs/memory-planner.md states the margin measured against
+``mx.get_peak_memory``.
 """
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
