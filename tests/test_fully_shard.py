@@ -148,6 +148,20 @@ def test_remat_gives_the_gradients_of_the_function():
         assert mx.allclose(a, b, atol=1e-6)
 
 
+
+def test_remat_passes_integer_inputs_through():
+    # A model wrapped once with reshard_after_forward gets the token ids:
+    # MLX has no gradient for them, so they must not be differentiated.
+    def embed(table, ids):
+        return (mx.take(table, ids, axis=0) ** 2).sum()
+
+    table = mx.random.normal((10, 4), key=mx.random.key(0))
+    ids = mx.array([[1, 3, 3], [0, 9, 2]])
+    want = mx.grad(embed)(table, ids)
+    got = mx.grad(lambda t: remat(embed, t, ids))(table)
+    assert mx.array_equal(want, got)
+
+
 ERRORS = {
     "muon_rows": "ValueError: 'module.layers.0.weight' must be updated whole .* Pass the "
                  r"optimizer to fully_shard: fully_shard\(module, placement=optimizer\)",

@@ -15,7 +15,7 @@ from mlx_fsdp.plan_memory.buffers import default_communication_size, default_dev
 from mlx_fsdp.plan_memory.sharding import BucketBytes
 from mlx_fsdp.plan_memory.__main__ import byte_size, main
 from mlx_fsdp.plan_memory.estimate import shape_only
-from mlx_fsdp.plan_memory.fully import split
+from mlx_fsdp.plan_memory.fully import BLOCKS_ALIVE, split
 
 ELEMENTWISE = ("adamw", "adam", "sgd", "lion")
 
@@ -218,8 +218,10 @@ def test_fully_shard_wraps_each_block_then_the_root():
 
 def test_fully_shard_rank_holds_its_rows_and_gathers_blocks():
     """The issue's 8B at N=8: rank 0 holds ceil(rows / 8) rows of every array,
-    and gathers the whole model without reshard_after_forward, the root and one
-    block with it. The reference is arithmetic on the published shapes."""
+    and gathers the whole model without reshard_after_forward; with it, the root
+    and the blocks MLX may have in flight at once on the CPU (BLOCKS_ALIVE: one
+    finishing its backward pass, one running, one gathering). The reference is
+    arithmetic on the published shapes."""
     model = shapes.llama(**shapes.PRESETS["8B"])
     n = 8
     held = sum(-(-a.shape[0] // n) * _size(a.shape[1:]) for a in model.arrays)
@@ -235,10 +237,10 @@ def test_fully_shard_rank_holds_its_rows_and_gathers_blocks():
         assert r.parameters == r.gradients == 2 * held
         assert 0 <= r.optimizer - 2 * 4 * held < 64  # m and v in float32, and two scalars
         assert r.masters == 4 * held
-        assert r.full_gradients == root_bytes  # the embedding and the head, until the end
         assert r.peak == sum(v for k, v in r.to_dict().items() if k != "peak")
+    assert kept.full_gradients == root_bytes  # the embedding and the head, until the end
     assert kept.gathered == 2 * model.num_parameters
-    assert resharded.gathered == root_bytes + block_bytes
+    assert resharded.gathered == resharded.full_gradients == root_bytes + BLOCKS_ALIVE * block_bytes
     assert round((r.parameters + r.gradients) / GIB, 2) == 3.74
     assert round((fsdp.parameters + fsdp.gradients) / GIB, 2) == 29.92
     assert resharded.peak < kept.peak < fsdp.peak
@@ -264,8 +266,8 @@ def test_cli_shows_what_fully_sharding_saves(capsys):
         in text
     assert ("fully_shard at N=8: parameters + gradients 3.74 GiB per rank (fsdp_step: 29.92), "
             "plus 14.96 GiB gathered at once") in text
-    assert "with --reshard-after-forward (the root and one block gathered at a time): " \
-        "gathered 2.36 GiB, peak 24.78 GiB" in text
+    assert "with --reshard-after-forward (the root and 3 blocks gathered at once, as MLX " \
+        "runs ahead): gathered 3.18 GiB, peak 26.81 GiB" in text
     assert ("In 64.00 GiB: DDP does not fit; FSDP fits from N=5 (params dominates); "
             "fully_shard fits from N=4 (opt state dominates)") in text
 
@@ -323,9 +325,10 @@ PEAK_RANGE = {"fsdp_elementwise": (0.45, 1.0), "ddp_elementwise": (0.45, 1.0),
 #: Fully sharded training over whole steps, the activations of these
 #: (not Llama-shaped) models measured by the bench and given to the planner.
 #: Measured 2026-11-25 (MPI N=3, bfloat16, AdamW and Adafactor, reshard after
-#: forward off and on): 0.404-0.692; the loosest point is GPT Adafactor with
-#: reshard on (0.404, predicted 2.47x measured), so the low end is 0.35.
-FULLY_RANGE = {"elementwise": (0.35, 1.0), "other": (0.35, 1.0)}
+#: forward off and on): 0.366-0.694; the loosest point is GPT Adafactor with
+#: reshard on (0.366, predicted 2.73x measured, since three blocks' gathers
+#: are counted for MLX's run-ahead), so the low end is 0.3.
+FULLY_RANGE = {"elementwise": (0.3, 1.0), "other": (0.3, 1.0)}
 
 
 def _bench(n, tmp_path, *args):
@@ -354,6 +357,21 @@ def test_fully_sharded_bytes_equal_measured_and_peak_within_margin(tmp_path):
     for r in rows:
         assert r["equal"], r
         assert r["masters_measured"][0] > 0 and r["parameters_measured"][0] > 0, r
+        low, high = FULLY_RANGE["elementwise" if r["optimizer"] in ELEMENTWISE else "other"]
+        assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
+
+
+@pytest.mark.parametrize("wrap", ["blocks", "model"])
+def test_fully_sharded_float32_peak_is_bounded_with_resharding(wrap, tmp_path):
+    """Float32 at ring N=2, where the resharded MLP once measured up to 1.16x
+    the prediction (MLX's run-ahead keeps several blocks' gathers alive), and
+    the model wrapped once with SGD 1.11x (its full gradients arrive at once).
+    Measured 2026-11-25: 0.748-0.995 (blocks), 0.828-0.995 (model)."""
+    rows = _bench(2, tmp_path, "--modes", "fully_shard", "--models", "mlp", "--wrap", wrap,
+                  "--optimizers", "adamw", "sgd", "adafactor",
+                  "--reshard-after-forward", "off", "on")
+    assert len(rows) == 3 * 2
+    for r in rows:
         low, high = FULLY_RANGE["elementwise" if r["optimizer"] in ELEMENTWISE else "other"]
         assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
 

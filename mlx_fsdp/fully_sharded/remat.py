@@ -58,7 +58,19 @@ def remat(fn: Callable, *args, **kwargs) -> Any:
     def run_vjp(primals, cotangents, _):
         cotangents = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
         primals = mx.depends(list(primals), cotangents)
-        return tuple(mx.vjp(flat, primals, cotangents)[1])
+        # Integer inputs (token ids) pass through: MLX has no gradient for them.
+        wrt = [i for i, p in enumerate(primals) if mx.issubdtype(p.dtype, mx.inexact)]
+
+        def of_floating(*arrays):
+            every = list(primals)
+            for i, a in zip(wrt, arrays):
+                every[i] = a
+            return flat(*every)
+
+        grads = [mx.zeros_like(p) for p in primals]
+        for i, g in zip(wrt, mx.vjp(of_floating, [primals[i] for i in wrt], cotangents)[1]):
+            grads[i] = g
+        return tuple(grads)
 
     outputs = run(*_arrays(inputs))
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]

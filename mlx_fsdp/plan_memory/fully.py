@@ -20,15 +20,17 @@ phases:
 
 * the forward and backward pass: the **gathered** parameters of the units
   alive at once (the root's for the whole pass; every block's from its
-  forward to its backward pass, or, with ``reshard_after_forward``, the
-  largest block's, gathered again for its backward pass; with
-  ``wrap="model"`` all of them), the **full gradients** of the largest of
-  the blocks and the root (a block's until its reduce-scatter, the root's
-  until the end of the backward pass; with ``wrap="model"`` the gradients
-  replace the parameters as the backward pass goes, and the largest block's
-  are counted on top), and in **comm** the reduce-scatter buffers of the
-  largest bucket (as for ``fsdp_step``, see
-  :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`);
+  forward to its backward pass, plus the largest gather's vector beyond
+  them, the padding rows or a mostly padded owner bucket's; or, with
+  ``reshard_after_forward``, :data:`BLOCKS_ALIVE` blocks' gathers, vectors
+  included, since MLX allocates the outputs of the operations it has
+  queued before they run, so that a block gathers again while the one
+  after it has not freed its buffers), the **full gradients** of a unit
+  (the largest of the blocks and the root, or the whole model wrapped
+  once: the gather's VJP receives all its cotangents at once; with
+  ``reshard_after_forward``, the root's and :data:`BLOCKS_ALIVE` blocks'),
+  and in **comm** the reduce-scatter buffers of the largest bucket (as for
+  ``fsdp_step``, see :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`);
 * the optimizer step: the gradients divided by ``N`` (**comm**, as large
   as the gradients, alive until each update) and one array's **new**
   shard.
@@ -53,6 +55,10 @@ from .sharding import bucket_bytes
 
 #: How the model is wrapped: each block and the root, or the whole model once.
 WRAPS = ("blocks", "model")
+
+#: With ``reshard_after_forward``, the blocks whose gathered parameters and full
+#: gradients are counted alive at once (see :func:`cut`).
+BLOCKS_ALIVE = 3
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
@@ -140,14 +146,26 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
                            world_size, communication_size, owner_loads=loads)
         loads = owned_loads(plan, loads)
         plans.append((prefix, plan, own))
-        gathered.append((prefix, sum(a.nbytes for _, a in own)))
-    blocks = [g for prefix, g in gathered if prefix]
-    if reshard_after_forward and wrap == "blocks" and blocks:
-        alive = sum(g for prefix, g in gathered if not prefix) + max(blocks)
-    else:
-        alive = sum(g for _, g in gathered)
-    grads = [sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
-             for _, indices in split([p for p, _ in flat], "blocks")]
+        gathered.append((prefix, *_gather_bytes(plan, [a for _, a in own], world_size)))
+    blocks = sorted((kept + extra for prefix, kept, extra in gathered if prefix), reverse=True)
+    ahead = reshard_after_forward and wrap == "blocks" and blocks
+    if ahead:
+        # On the CPU, MLX allocates the outputs of the operations it has queued
+        # before they run: while one block's backward pass runs, the block
+        # after it may not have freed its gathered parameters and full
+        # gradients yet, and the block before it gathers already. Measured
+        # above the prediction with two blocks counted (SGD, MLP, ring N=2).
+        alive = sum(kept + extra for prefix, kept, extra in gathered if not prefix) + \
+            sum(blocks[:BLOCKS_ALIVE])
+    else:  # what the gathers keep, and one gather's vector
+        alive = sum(kept for _, kept, _ in gathered) + max((extra for _, _, extra in gathered),
+                                                         default=0)
+    grads = {prefix: sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
+             for prefix, indices in split([p for p, _ in flat], wrap)}
+    if ahead:  # the root's until the end of the backward pass, and the blocks' in flight
+        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE])
+    else:  # a unit's until its reduce-scatter, the root's until the end
+        full = max(grads.values(), default=0)
     comm = max((reduce_buffers(bucket_bytes(b, [a for _, a in own], world_size, 0), method)
                 for _, plan, own in plans for b in plan.buckets), default=0)
     # Every rank builds the same step plan; rank 0's gradients' shapes are checked.
@@ -155,7 +173,19 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
     step = model_plan(flat_grads, [a for _, a in flat_grads], optimizer, world_size, 0, None,
                       modules)
-    return Units(plans, trained, step, alive, max(grads, default=0), comm)
+    return Units(plans, trained, step, alive, full, comm)
+
+
+def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:
+    """What one unit's gather keeps (its full arrays) and what it holds on top
+    while it runs: each bucket's whole vector, of which :func:`mlx_fsdp.layout.unpack`
+    keeps views, or, where the vector is mostly padding, copies."""
+    kept = sum(a.nbytes for a in arrays)
+    vectors = sum(bucket_bytes(b, arrays, world_size, 0).gathered for b in plan.buckets)
+    copied = sum(arrays[s.index].nbytes for b in plan.buckets
+                 if not b.by_rows and 4 * b.padding(world_size) > world_size * b.cols
+                 for s in b.slots)
+    return kept, vectors + copied - kept
 
 
 def _held(plans, trained: set, rank: int):

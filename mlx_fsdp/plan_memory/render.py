@@ -3,6 +3,7 @@
 from . import fit, shapes
 from .buffers import BACKENDS, default_communication_size
 from .estimate import shape_only
+from .fully import BLOCKS_ALIVE
 from .report import LABELS, describe, gib, table, verdicts
 
 
@@ -63,7 +64,8 @@ def compare(rows, resharded=None) -> list:
     out = [line]
     if resharded is not None:
         r = resharded.fullest
-        out.append(f"  with --reshard-after-forward (the root and one block gathered at a time): "
+        out.append(f"  with --reshard-after-forward (the root and {BLOCKS_ALIVE} blocks gathered "
+                   "at once, as MLX runs ahead): "
                    f"gathered {gib(r.gathered)} GiB, peak {gib(r.peak)} GiB")
     return out
 
