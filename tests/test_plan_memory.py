@@ -10,7 +10,8 @@ from mlx.utils import tree_flatten, tree_map
 
 import mlx_fsdp
 from launch import run_script
-from mlx_fsdp.plan_memory import estimate, optimizers, shapes
+from mlx_fsdp.plan_memory import estimate, fit, optimizers, shapes
+from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape
 from mlx_fsdp.plan_memory.buffers import default_communication_size, default_device, fsdp_buffers
 from mlx_fsdp.plan_memory.sharding import BucketBytes
 from mlx_fsdp.plan_memory.__main__ import byte_size, main
@@ -302,6 +303,31 @@ def test_fit_finds_the_most_layers_that_fit(capsys, tmp_path):
     assert [f["mode"] for f in found] == ["ddp", "fsdp", "fully_shard"]
     assert layers[0] <= layers[1] < layers[2]
     assert "N=8: DDP not one layer" in text and "218.1M parameters a layer" in text
+
+
+def test_fit_counts_the_activations_of_each_layer_count(capsys, tmp_path):
+    """With a batch, the model --fit finds fits with its activations and one
+    layer more does not; its `acts` are the activation model's for that depth."""
+    out = tmp_path / "fit.json"
+    flags = ["--batch-size", "1", "--seq-len", "2048", "--grad-checkpoint"]
+    main(["--params", "8B", "--fit", "--ranks", "8", "--memory", "32GiB", "--optimizer", "adamw",
+          "--device", "gpu", "--backend", "jaccl", "--mode", "fsdp", "fully_shard",
+          "--reshard-after-forward", *flags, "--json", str(out)])
+    capsys.readouterr()
+    fields = {k: v for k, v in shapes.PRESETS["8B"].items() if k != "layers"}
+    without = {f.row.mode: f.layers for f in fit.search(
+        dict(fields, tie=False, dtype="bfloat16"), ["adamw"], ["fsdp", "fully_shard"], [8],
+        32 * GIB, reshard_after_forward=True, **EIGHT_B)["adamw"]}
+    for f in json.loads(out.read_text())["fit"]:
+        def peak(layers):
+            model = shapes.llama(layers=layers, **fields)
+            acts = activation_bytes(llama_shape(model), 1, 2048, 2, True, "gpu")
+            return max(r.peak for r in estimate(model, "adamw", f["mode"], 8, activations=acts,
+                                                reshard_after_forward=True, **EIGHT_B)), acts
+        got, acts = peak(f["layers"])
+        assert got <= 32 * GIB < peak(f["layers"] + 1)[0], f
+        assert f["fullest_rank"]["activations"] == acts > 0, f
+        assert 0 < f["layers"] < without[f["mode"]], (f, without)
 
 
 def test_fit_needs_a_width_and_memory(capsys):

@@ -118,8 +118,6 @@ def parse_args(argv=None):
     if args.batch_size < 0 or args.seq_len < 1:
         p.error(f"--batch-size {args.batch_size} must be >= 0 and --seq-len {args.seq_len} "
                 ">= 1; pass the sizes you train with")
-    if args.fit and args.batch_size:
-        p.error("--fit does not count activations yet; leave out --batch-size")
     if args.fit and (args.memory is None or args.model is not None or args.layers is not None):
         p.error("--fit grows the layer count of a shape description: give --memory and "
                 "--params (or --dims/--ffn/--vocab/--heads), without MODEL and --layers")
@@ -207,8 +205,10 @@ def main(argv=None) -> int:
     try:
         if args.fit:
             fields = shape_fields(p, args)
+            acts = (lambda m: activations_of(m, args)(args.batch_size)) \
+                if args.batch_size else None
             fits = fit.search(fields, args.optimizer, args.mode, args.ranks, args.memory,
-                              **options_of(args))
+                              activations=acts, **options_of(args))
         else:
             model = load_model(p, args)
             results, needed, resharded = plan(model, args)

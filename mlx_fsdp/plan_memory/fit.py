@@ -2,11 +2,12 @@
 
 The width (``dims``, ``ffn``, ``vocab``, heads) stays as described; the
 layer count grows. Every mode's peak grows with the layer count (each layer
-adds its parameters, gradients and state, and under ``fully_shard`` its
-shards), so the most layers that fit is found by doubling, then bisecting.
+adds its parameters, gradients and state, under ``fully_shard`` its shards,
+and, given a batch, its activations), so the most layers that fit is found
+by doubling, then bisecting.
 """
 
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 from . import shapes
 from .estimate import estimate_ranks
@@ -34,7 +35,7 @@ class Fit(NamedTuple):
 
 
 def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: int,
-            **options) -> Fit:
+            activations: Optional[Callable[[shapes.Model], int]] = None, **options) -> Fit:
     """The most layers of a Llama-style model whose fullest rank fits ``memory``.
 
     Args:
@@ -43,6 +44,8 @@ def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: in
         mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
         world_size (int): Ranks.
         memory (int): Bytes per rank.
+        activations (callable, optional): A model's activation bytes (they grow
+            with its layers). Default: ``None`` (none counted).
         **options: The other keyword arguments of :func:`estimate_ranks`.
 
     Returns:
@@ -50,8 +53,9 @@ def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: in
     """
     def attempt(layers: int):
         model = shapes.llama(layers=layers, **fields)
+        acts = activations(model) if activations is not None else 0
         row = Row(optimizer, mode, world_size,
-                  estimate_ranks(model, optimizer, mode, world_size, **options))
+                  estimate_ranks(model, optimizer, mode, world_size, activations=acts, **options))
         return row, model.num_parameters
 
     row, count = attempt(1)
