@@ -17,6 +17,7 @@ from mlx_fsdp.plan_memory.sharding import BucketBytes
 from mlx_fsdp.plan_memory.__main__ import byte_size, main
 from mlx_fsdp.plan_memory.estimate import shape_only
 from mlx_fsdp.plan_memory.fully import BLOCKS_ALIVE, split
+from mlx_fsdp.plan_memory.lora import with_lora
 
 ELEMENTWISE = ("adamw", "adam", "sgd", "lion")
 
@@ -121,6 +122,50 @@ def test_one_rank_state_equals_the_plain_optimizer_after_a_step(name, dtype):
         assert r.optimizer == tree_bytes(plain.state)
         assert r.masters == (tree_bytes(steps) if master else 0)
         assert r.parameters == r.gradients == tree_bytes(params)
+
+
+@pytest.mark.parametrize("num_layers", [1, -1])
+def test_lora_trains_what_mlx_lm_trains(num_layers):
+    """The reference is mlx-lm's own LoRA conversion of a real llama: the same
+    trainable arrays, the whole model held, and AdamW's state on the adapters."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models import llama
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=3,
+                           tie_word_embeddings=False,
+                           intermediate_size=48, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=50, num_key_value_heads=2)
+    model = llama.Model(args)
+    model.freeze()
+    linear_to_lora_layers(model, num_layers, {"rank": 4, "scale": 20.0, "dropout": 0.0})
+    mx.eval(model.parameters())
+    plain = optim.AdamW(learning_rate=1e-3)
+    trained = model.trainable_parameters()
+    plain.apply_gradients(tree_map(mx.ones_like, trained), trained)
+    mx.eval(plain.state)
+    planned = with_lora(shapes.llama(3, 32, 48, 50, 4, 2, dtype="float32"), 4, num_layers)
+    assert {a.path: a.shape for a in planned.arrays if not a.frozen} == {
+        p: a.shape for p, a in tree_flatten(trained)}
+    assert {a.path: a.shape for a in planned.arrays} == {
+        p: a.shape for p, a in tree_flatten(model.parameters())}
+    for mode in ("ddp", "fsdp", "fully_shard"):
+        (r,) = estimate(planned, "adamw", mode, 1)
+        assert r.optimizer == tree_bytes(plain.state), mode
+        assert r.gradients == tree_bytes(trained), mode
+        assert r.parameters == tree_bytes(model.parameters()), mode
+
+
+def test_lora_answers_for_an_8b_model(capsys):
+    flags = ["--params", "8B", "--memory", "32GiB", "--batch-size", "1", "--seq-len", "2048",
+             "--grad-checkpoint", "--device", "gpu", "--backend", "jaccl", "--optimizer",
+             "adamw", "--ranks", "8", "--reshard-after-forward"]
+    main(flags + ["--fine-tune-type", "lora"])
+    text = capsys.readouterr().out
+    assert "LoRA rank 8 on 16 of 32 blocks (10.49M trained parameters)" in text
+    assert "In 32.00 GiB: DDP fits at N=8; FSDP fits from N=1" in text
+    with pytest.raises(SystemExit):
+        main(flags + ["--fine-tune-type", "lora", "--lora-rank", "0"])
+    assert "LoRA rank 0 must be >= 1" in capsys.readouterr().err
 
 
 def test_muon_leaves_embeddings_and_heads_to_adamw():

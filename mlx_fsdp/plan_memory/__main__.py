@@ -19,6 +19,7 @@ from .estimate import ACCUMULATION, MODES, estimate_ranks
 from .fully import WRAPS
 from .render import render, render_fit
 from .activations import activation_bytes, llama_shape
+from .lora import with_lora
 from .report import Row, dominant, fewest_ranks, largest_batch
 
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b?)", re.IGNORECASE)
@@ -81,6 +82,13 @@ def parse_args(argv=None):
     g.add_argument("--accumulation", choices=ACCUMULATION, default="none",
                    help="gradient accumulation buffer: none (default), local (a full "
                    "gradient) or sharded (FSDP: this rank's 1/N)")
+    g.add_argument("--fine-tune-type", choices=("full", "lora"), default="full",
+                   help="full: train every parameter; lora: freeze the model and train "
+                   "adapters in its last --num-layers blocks, as mlx_lm.lora (default full)")
+    g.add_argument("--num-layers", type=int, default=16,
+                   help="lora: blocks with adapters, -1 for all (mlx-lm's default 16)")
+    g.add_argument("--lora-rank", type=int, default=8,
+                   help="lora: the adapters' rank (mlx-lm's default 8)")
     g = p.add_argument_group("activations (a Llama-style description or mlx-lm directory)")
     g.add_argument("--batch-size", type=int, default=0,
                    help="sequences per rank and step, as mlx-lm's --batch-size (default 0: "
@@ -141,9 +149,16 @@ def shape_fields(p, args) -> dict:
 
 
 def load_model(p, args) -> shapes.Model:
-    if args.model is not None:
-        return shapes.load(args.model)
-    return shapes.llama(**shape_fields(p, args))
+    model = shapes.load(args.model) if args.model is not None else \
+        shapes.llama(**shape_fields(p, args))
+    return fine_tuned(args)(model)
+
+
+def fine_tuned(args):
+    """``model -> model`` as ``--fine-tune-type`` trains it."""
+    if args.fine_tune_type == "full":
+        return lambda model: model
+    return lambda model: with_lora(model, args.lora_rank, args.num_layers)
 
 
 def activations_of(model: shapes.Model, args):
@@ -208,7 +223,8 @@ def main(argv=None) -> int:
             acts = (lambda m: activations_of(m, args)(args.batch_size)) \
                 if args.batch_size else None
             fits = fit.search(fields, args.optimizer, args.mode, args.ranks, args.memory,
-                              activations=acts, **options_of(args))
+                              activations=acts, transform=fine_tuned(args),
+                              **options_of(args))
         else:
             model = load_model(p, args)
             results, needed, resharded = plan(model, args)

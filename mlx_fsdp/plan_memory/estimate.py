@@ -12,7 +12,8 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 
 * **parameters** and **gradients** (the gradient tree the caller holds, in
   the parameters' dtype; a quantized layer, one with an integer
-  ``weight``, is frozen whole and gets none, as MLX freezes it);
+  ``weight``, is frozen whole and gets none, as MLX freezes it, and so
+  does a frozen array, a LoRA base: :mod:`mlx_fsdp.plan_memory.lora`);
 * **accumulation**: with gradient accumulation, the running sum: the whole
   gradient (``"local"``) or this rank's reduced pieces (``"sharded"``,
   FSDP only);
@@ -82,7 +83,8 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
                  if a.path.endswith(".weight") and not _floating(a.dtype)}
     trainable, total = [], 0
     for a in model.arrays:
-        floating = _floating(a.dtype) and a.path.rpartition(".")[0] not in quantized
+        floating = _floating(a.dtype) and a.path.rpartition(".")[0] not in quantized \
+            and not a.frozen
         dt = getattr(mx, dtype if (dtype and floating) else a.dtype)
         size = 1
         for d in a.shape:

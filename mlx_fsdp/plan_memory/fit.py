@@ -35,7 +35,9 @@ class Fit(NamedTuple):
 
 
 def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: int,
-            activations: Optional[Callable[[shapes.Model], int]] = None, **options) -> Fit:
+            activations: Optional[Callable[[shapes.Model], int]] = None,
+            transform: Callable[[shapes.Model], shapes.Model] = lambda m: m,
+            **options) -> Fit:
     """The most layers of a Llama-style model whose fullest rank fits ``memory``.
 
     Args:
@@ -46,13 +48,15 @@ def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: in
         memory (int): Bytes per rank.
         activations (callable, optional): A model's activation bytes (they grow
             with its layers). Default: ``None`` (none counted).
+        transform (callable, optional): What training makes of each model
+            (:func:`mlx_fsdp.plan_memory.lora.with_lora`). Default: the model itself.
         **options: The other keyword arguments of :func:`estimate_ranks`.
 
     Returns:
         Fit: The answer.
     """
     def attempt(layers: int):
-        model = shapes.llama(layers=layers, **fields)
+        model = transform(shapes.llama(layers=layers, **fields))
         acts = activations(model) if activations is not None else 0
         row = Row(optimizer, mode, world_size,
                   estimate_ranks(model, optimizer, mode, world_size, activations=acts, **options))

@@ -27,11 +27,14 @@ class Array:
         path (str): Its path, as ``mlx.utils.tree_flatten`` names it.
         shape (tuple): Its shape.
         dtype (str): Its MLX dtype name, e.g. ``"bfloat16"``.
+        frozen (bool): Whether it is left out of training (a LoRA base).
+            Default: ``False``.
     """
 
     path: str
     shape: Tuple[int, ...]
     dtype: str
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
