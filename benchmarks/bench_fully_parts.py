@@ -13,7 +13,13 @@ so that a neighbour's load hits them alike:
 * ``plain forward+backward`` / ``fully sharded forward+backward``:
   ``nn.value_and_grad`` evaluated (the latter reduce-scatters its gradients);
 * ``sharded step`` / ``fully sharded step``: the whole step with ``fsdp_step``
-  (AdamW, ``max_norm`` 1) on the plain and the wrapped model.
+  (AdamW, ``max_norm`` 1) on the plain and the wrapped model;
+* ``weight gradients to rows``: the copy that cuts the ``Linear`` weights'
+  gradients into axis-0 rows, as ``fully_shard``'s reduce-scatter must.
+  MLX returns such a gradient as the transpose of an ``(in, out)`` buffer,
+  so on the CPU this is a strided copy of every weight; ``fsdp_step`` lays
+  2-D arrays out in column order (:mod:`mlx_fsdp.flat`) and reads the same
+  buffer straight.
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_fully_parts.py
 """
@@ -71,6 +77,9 @@ def parts(args, group):
         opts[id(model)].update(model, grads)
         mx.eval(loss, model.parameters(), opts[id(model)].state)
 
+    _, grads = grad_plain(plain, x, y)
+    weights = [g for p, g in tree_flatten(grads) if p.endswith("weight")]
+    mx.eval(weights)
     return {
         "plain forward": lambda: mx.eval(plain(x)),
         "fully sharded forward": lambda: mx.eval(full(x)),
@@ -80,6 +89,7 @@ def parts(args, group):
         "fully sharded forward+backward": lambda: mx.eval(grad_full(full, x, y)),
         "sharded step": lambda: step(plain, grad_plain),
         "fully sharded step": lambda: step(full, grad_full),
+        "weight gradients to rows": lambda: mx.eval([g.reshape(-1) for g in weights]),
     }
 
 

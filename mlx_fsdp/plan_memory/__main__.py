@@ -19,7 +19,7 @@ from .estimate import ACCUMULATION, MODES, estimate_ranks
 from .fully import WRAPS
 from .render import render, render_fit
 from .activations import activation_bytes, llama_shape
-from .lora import with_lora
+from .lora import adapter_activations, with_lora
 from .report import Row, dominant, fewest_ranks, largest_batch
 
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b?)", re.IGNORECASE)
@@ -167,7 +167,8 @@ def activations_of(model: shapes.Model, args):
     dtype = args.dtype or sorted(a.dtype for a in model.arrays)[0]
     size = getattr(mx, dtype).size
     return lambda batch: activation_bytes(shape, batch, args.seq_len, size,
-                                          args.grad_checkpoint, args.device)
+                                          args.grad_checkpoint, args.device) + \
+        adapter_activations(model, batch, args.seq_len, size)
 
 
 def options_of(args) -> dict:

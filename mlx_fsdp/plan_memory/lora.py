@@ -11,7 +11,12 @@ state or master), and the adapters are the trainable arrays.
 
 The activations are counted as for full fine-tuning, an upper bound: the
 frozen blocks before the first adapter keep less, and the adapters' own
-``rank``-wide products are small next to a block's.
+``rank``-wide products are small next to a block's. On top come one
+block's adapted outputs (:func:`adapter_activations`): each adapted
+``Linear`` adds its low-rank product to the base output, a second output
+alive next to the first while the block runs (measured 1.5 MiB above the
+count without it, every block adapted, batch 2 x 128:
+``benchmarks/bench_lora_memory.py``).
 """
 
 from dataclasses import replace
@@ -75,3 +80,20 @@ def with_lora(model: Model, rank: int = 8, num_layers: int = 16) -> Model:
     name = (f"{model.name}, LoRA rank {rank} on {len(adapted)} of {len(every)} blocks "
             f"({trained / 1e6:.2f}M trained parameters)")
     return Model(name, tuple(arrays), model.heads)
+
+
+def adapter_activations(model: Model, batch: int, seq: int, itemsize: int) -> int:
+    """Bytes of the fullest adapted block's extra outputs for ``batch x seq`` tokens.
+
+    Args:
+        model (Model): The model, as :func:`with_lora` gives it (``0`` without adapters).
+        batch (int): Sequences.
+        seq (int): Tokens per sequence.
+        itemsize (int): Bytes per activation element.
+    """
+    per_block, every = {}, blocks(model)
+    for a in model.arrays:
+        if a.path.endswith(".lora_b"):
+            block = next((b for b in every if a.path.startswith(b)), "")
+            per_block[block] = per_block.get(block, 0) + a.shape[1]
+    return max(per_block.values(), default=0) * batch * seq * itemsize
