@@ -22,18 +22,13 @@ count without it, every block adapted, batch 2 x 128:
 from dataclasses import replace
 from typing import List
 
+from .fully import split
 from .shapes import Array, Model
 
 
 def blocks(model: Model) -> List[str]:
-    """The block prefixes (``model.layers.3.``), in the order of their index."""
-    found = {}
-    for a in model.arrays:
-        parts = a.path.split(".")
-        at = next((j for j, c in enumerate(parts) if c.isdigit()), None)
-        if at is not None:
-            found[".".join(parts[:at + 1]) + "."] = int(parts[at])
-    return sorted(found, key=found.get)
+    """The block prefixes (``model.layers.3.``), in tree order, as ``fully_shard`` wraps them."""
+    return [prefix for prefix, _ in split([a.path for a in model.arrays]) if prefix]
 
 
 def with_lora(model: Model, rank: int = 8, num_layers: int = 16) -> Model:
