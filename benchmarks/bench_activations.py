@@ -74,9 +74,9 @@ def measure(shape: Shape, batch: int, seq: int, dtype: str, checkpoint: bool, re
     return worst
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2)
+def add_shape_args(p: argparse.ArgumentParser, layers: int = 2):
+    """The Llama's shape flags and the ``--sizes`` of the batches to measure."""
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--dims", type=int, default=256)
     p.add_argument("--ffn", type=int, default=704)
     p.add_argument("--vocab", type=int, default=2048)
@@ -84,11 +84,20 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--sizes", nargs="+", default=["1x64", "2x128", "4x256"],
                    help="BATCHxSEQ points (default 1x64 2x128 4x256)")
+
+
+def shape_of(args) -> Shape:
+    return Shape(args.layers, args.dims, args.ffn, args.vocab, args.heads, args.kv_heads)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(p)
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
     p.add_argument("--checkpoint", nargs="+", default=["off", "on"], choices=("off", "on"))
     p.add_argument("--repeat", type=int, default=2, help="runs per point; the peak is the highest")
     args = p.parse_args(argv)
-    shape = Shape(args.layers, args.dims, args.ffn, args.vocab, args.heads, args.kv_heads)
+    shape = shape_of(args)
     device = default_device()
     print(f"mlx-lm llama {shape}, {device}; activations = peak - parameters - gradients")
     print("| dtype | batch x seq | checkpoint | predicted MiB | measured MiB | predicted / measured |")

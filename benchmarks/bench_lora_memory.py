@@ -24,7 +24,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 
-from bench_activations import build  # noqa: E402
+from bench_activations import add_shape_args, build, shape_of  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, shapes  # noqa: E402
 from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
@@ -80,20 +80,13 @@ def predict(shape: Shape, batch: int, seq: int, rank: int, num_layers: int,
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dims", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=704)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    add_shape_args(p, layers=4)
     p.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
     p.add_argument("--num-layers", type=int, nargs="+", default=[2, -1],
                    help="blocks with adapters, -1 all (default 2 -1)")
-    p.add_argument("--sizes", nargs="+", default=["1x64", "2x128", "4x256"],
-                   help="BATCHxSEQ points (default 1x64 2x128 4x256)")
     p.add_argument("--checkpoint", nargs="+", default=["off", "on"], choices=("off", "on"))
     args = p.parse_args(argv)
-    shape = Shape(args.layers, args.dims, args.ffn, args.vocab, args.heads, args.kv_heads)
+    shape = shape_of(args)
     print(f"mlx-lm llama {shape}, float32, LoRA rank {args.rank}, AdamW, {default_device()}")
     print("| adapted blocks | batch x seq | checkpoint | predicted MiB | measured MiB | "
           "predicted / measured |")
