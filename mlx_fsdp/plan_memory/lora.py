@@ -64,7 +64,8 @@ def with_lora(model: Model, rank: int = 8, num_layers: int = 16) -> Model:
             arrays.append(replace(a, frozen=True))
             continue
         arrays.append(replace(a, path=f"{module}.linear.{name}", frozen=True))
-        shape[module] = a.shape if name == "weight" else shape.get(module)
+        if name == "weight":
+            shape[module] = a.shape
         following = model.arrays[i + 1].path.rpartition(".")[0] \
             if i + 1 < len(model.arrays) else None
         if following != module:  # after the base Linear's arrays, as LoRALinear orders them
