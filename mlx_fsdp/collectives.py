@@ -31,7 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import layout
+from . import columns, layout
 from .order import CollectiveOrder
 
 #: Ways to reduce-scatter, in the order :func:`reduce_scatter_method` prefers.
@@ -182,7 +182,7 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: CollectiveOrder,
         # with the gradient listed first, MLX ran part of the backward pass
         # out of the order the send sets, and one rank of two peaked 1.3 MiB
         # higher on the main job's GPT (0.13M parameters).
-        held = [(s, theirs + own) for (s, own), (_, theirs) in
+        held = [(s, columns.add(s, theirs, own)) for (s, own), (_, theirs) in
                 zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
         # Until the sums are computed, this rank's own pieces (views) keep its
         # whole local gradients alive, and the received half stays too. Chaining the next collective after the sums computes

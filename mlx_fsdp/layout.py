@@ -8,7 +8,8 @@ contiguous run ``[start, stop)`` and everything else is zero padding; rank
 What a rank *holds* of a slot is the part of it in the rank's shard: a 1-D
 piece of a flat bucket's array (possibly empty, possibly all of it), the
 whole array, shaped, of an owner bucket (on its owner only), or its rows,
-shaped, of a rows bucket (see :mod:`mlx_fsdp.rows`). The optimizer updates
+shaped, of a rows bucket (see :mod:`mlx_fsdp.rows`; a gradient plan may
+enumerate a rank's rows column by column, :mod:`mlx_fsdp.columns`). The optimizer updates
 held arrays one by one, so its temporaries are as small as an array, and
 its state is per array.
 
@@ -31,7 +32,7 @@ from .plan import Bucket, Slot
 
 
 def flatten(slot: Slot, a: mx.array) -> mx.array:
-    """The elements of a full array in the slot's order.
+    """The elements of an array (the slot's, or a block of its rows) in the slot's order.
 
     Already flat input is returned as it is: its elements are in that order.
     """
@@ -40,11 +41,12 @@ def flatten(slot: Slot, a: mx.array) -> mx.array:
     return a.reshape(-1)
 
 
-def unflatten(slot: Slot, flat: mx.array) -> mx.array:
-    """The full array from its ``slot.size`` elements in the slot's order."""
-    if slot.order == "F":
-        return flat.reshape(slot.shape[::-1]).T
-    return flat.reshape(slot.shape)
+def unflatten(slot: Slot, flat: mx.array, shape=None) -> mx.array:
+    """The array of ``shape`` (default: the slot's) from its elements in the slot's order."""
+    shape = slot.shape if shape is None else tuple(shape)
+    if slot.order == "F" and len(shape) == 2:
+        return flat.reshape(shape[::-1]).T
+    return flat.reshape(shape)
 
 
 def empty_of(a: mx.array) -> mx.array:
@@ -121,10 +123,11 @@ def _row_runs(bucket: Bucket, rank: int, part: Callable, dtype) -> List[mx.array
 def _slice_of(arrays):
     def part(s: Slot, begin: int, end: int) -> mx.array:
         if s.rows:
-            # A block of rows: a view even of a transposed array, flattened alone.
+            # A block of rows: a view even of a transposed array, flattened alone
+            # (in column order, see :mod:`mlx_fsdp.columns`, without a strided copy).
             size = _rows.row_size(s.shape)
             a = arrays[s.index]
-            return (a if not s.shape else a[begin // size:end // size]).reshape(-1)
+            return flatten(s, a if not s.shape else a[begin // size:end // size])
         flat = flatten(s, arrays[s.index])
         return flat if (begin, end) == (0, s.size) else flat[begin:end]
     return part
@@ -172,7 +175,7 @@ def held(bucket: Bucket, shard: mx.array, rank: int) -> List[Tuple[Slot, mx.arra
             at = _in_shard(bucket, s, rank, r[0])
             piece = shard[at:at + r[1] - r[0]]
             out.append((s, piece if not (bucket.owned or bucket.by_rows)
-                        else piece.reshape(held_shape(bucket, s, rank))))
+                        else unflatten(s, piece, held_shape(bucket, s, rank))))
     return out
 
 
@@ -211,7 +214,7 @@ def held_parts(bucket: Bucket, values: Dict[int, mx.array], rank: int,
         list[array]: 1-D parts, zero where the shard is padding.
     """
     lo, hi = bucket.shard(rank)
-    return _runs(bucket, lo, hi, lambda s, b, e: values[s.index].reshape(-1),
+    return _runs(bucket, lo, hi, lambda s, b, e: flatten(s, values[s.index]),
                  dtype or getattr(mx, bucket.param_dtype))
 
 
@@ -265,6 +268,9 @@ def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
 
 
 def _unpack_rows(bucket: Bucket, vector: mx.array) -> List[mx.array]:
+    if any(s.order == "F" for s in bucket.slots):
+        raise ValueError("A rows bucket in column order is a gradient plan; gather the "
+                         "parameters with the plan in row order (see mlx_fsdp.columns).")
     n = vector.size // bucket.cols
     if len(bucket.slots) == 1:
         blocks = [vector]

@@ -58,7 +58,9 @@ class Slot:
         owner (int, optional): For an owner bucket, the rank that holds and
             updates the whole array; ``None`` in a flat bucket.
         order (str): ``"F"`` if the array is enumerated column by column,
-            ``"C"`` if row by row (see :mod:`mlx_fsdp.flat`).
+            ``"C"`` if row by row (see :mod:`mlx_fsdp.flat`); in a rows
+            bucket, ``"F"`` enumerates each rank's rows column by column, a
+            gradient plan's order only (see :mod:`mlx_fsdp.columns`).
         rows (int): In a rows bucket, the rows of each rank's chunk, and
             ``start`` is where the chunk starts in every shard; ``0`` otherwise.
     """

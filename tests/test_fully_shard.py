@@ -11,10 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_fsdp
 from launch import run_ranks
-from mlx_fsdp import layout, rows
+from mlx_fsdp import columns, layout, rows
 from mlx_fsdp.fully_sharded.remat import remat
 from mlx_fsdp.plan import ROWS, build_plan
 
@@ -113,6 +114,60 @@ def test_rows_layout_round_trip(n, shape):
         assert np.array_equal(np.array(mx.concatenate(parts)), np.array(shard))
     for a, b in zip(arrays, layout.unpack(bucket, vector)):
         assert a.shape == b.shape and np.array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("shape", [(23, 7), (1, 4), (0, 3), (16, 24)])
+def test_rows_in_column_order_reduce_transposed_gradients_without_a_copy(n, shape):
+    """A Linear weight's gradient (a transposed view) is reduce-scattered in column order.
+
+    Each rank's run is the rows it holds, enumerated column by column:
+    plain runs of the gradient's buffer, so the run is a view's reshape,
+    and cutting it back gives the rank's axis-0 rows.
+    """
+    sig = (("a", shape, "float32", "float32", 0, ROWS), ("b", (5, 3), "float32", "float32", 0, ROWS))
+    plan = columns.column_plan(build_plan(sig, n, 1 << 20), frozenset({"a"}))
+    (bucket,) = plan.buckets
+    assert [s.order for s in bucket.slots] == ["F", "C"]
+    rng = np.random.default_rng(0)
+    buffer = mx.array(rng.normal(size=shape[::-1]).astype(np.float32))
+    arrays = [buffer.T, mx.arange(15, dtype=mx.float32).reshape(5, 3)]  # as MLX returns it
+    vector = layout.pack(bucket, arrays, n)
+    assert vector.size == n * bucket.cols
+    full = [np.array(a) for a in arrays]
+    total = np.zeros(vector.size, np.float32)
+    for r in range(n):
+        shard = vector[r * bucket.cols:(r + 1) * bucket.cols]
+        lo, hi = rows.held_rows(shape, bucket.slots[0].rows, r)
+        run = np.array(shard)[:(hi - lo) * shape[1]]
+        assert np.array_equal(run, full[0][lo:hi].T.reshape(-1))  # column by column
+        cut = dict(layout.held(bucket, shard, r))
+        own = dict(layout.held_of(bucket, arrays, r))
+        for s in bucket.held(r):
+            lo, hi = rows.held_rows(s.shape, s.rows, r)
+            assert cut[s].shape == layout.held_shape(bucket, s, r)
+            assert np.array_equal(np.array(cut[s]), full[s.index][lo:hi])
+            summed = columns.add(s, cut[s], own[s])  # what the exchange adds
+            assert np.array_equal(np.array(summed), 2 * full[s.index][lo:hi])
+            if s.order == "F" and hi > lo:
+                got = columns.row_major(summed, 3, mx.float32)
+                assert np.array_equal(np.array(got), np.array(summed / 3))
+                half = columns.row_major(summed, 1, mx.bfloat16)
+                assert half.dtype == mx.bfloat16 and np.array_equal(
+                    np.array(half.astype(mx.float32)),
+                    np.array(summed.astype(mx.bfloat16).astype(mx.float32)))
+        parts = layout.held_parts(bucket, {s.index: a for s, a in cut.items()}, r)
+        total[r * bucket.cols:(r + 1) * bucket.cols] = np.array(mx.concatenate(parts))
+    assert np.array_equal(total, np.array(vector))
+    with pytest.raises(ValueError, match="gradient plan"):
+        layout.unpack(bucket, vector)
+
+
+def test_linear_weights_are_found_by_type():
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Embedding(5, 4), nn.Linear(4, 2))
+    paths = [p for p, _ in tree_flatten(net.parameters())]
+    assert columns.linear_weights(net, paths) == {"layers.0.weight", "layers.3.weight"}
+    assert columns.linear_weights(nn.Linear(3, 4), ["weight", "bias"]) == {"weight"}
 
 
 def test_one_process_leaves_the_module_as_it_is():

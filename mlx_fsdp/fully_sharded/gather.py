@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import collectives, layout
+from .. import collectives, columns, layout
 from ..order import CollectiveOrder
 from ..plan import Plan
 
@@ -72,7 +72,7 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
     The last bucket first: the backward pass computes its gradients first.
 
     Args:
-        plan (Plan): The module's plan.
+        plan (Plan): The module's gradient plan (:func:`mlx_fsdp.columns.column_plan`).
         grads (list[array]): The full gradients, by ``Slot.index``.
         held (list[array]): What this rank holds of each parameter (shapes and dtypes).
         group (mlx.core.distributed.Group): The shard group.
@@ -89,13 +89,16 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
     for b in reversed(plan.buckets):
         for s, g in collectives.reduce_bucket(b, grads, group, method=method, order=order,
                                               stream=stream):
-            out[s.index] = (g / n).astype(held[s.index].dtype)
+            dtype = held[s.index].dtype
+            out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" and g.ndim == 2 \
+                else (g / n).astype(dtype)
     if plan.buckets:
         out[0] = order.settle(out[0])
     return out
 
 
-def make_gather(plan: Plan, group, method: str, traced: bool, stream=None):
+def make_gather(plan: Plan, group, method: str, traced: bool, stream=None,
+                columns_at: frozenset = frozenset()):
     """The custom function ``gather(held, deps) -> full`` of a module's trainable arrays.
 
     Args:
@@ -105,11 +108,15 @@ def make_gather(plan: Plan, group, method: str, traced: bool, stream=None):
         traced (bool): Whether it runs inside ``mx.compile`` (its collectives
             then chain only to each other; see :class:`mlx_fsdp.order.CollectiveOrder`).
         stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+        columns_at (frozenset, optional): Paths whose gradients arrive
+            transposed, reduce-scattered in column order (see
+            :mod:`mlx_fsdp.columns`). Default: none.
 
     Returns:
         mlx.core.custom_function: ``gather(held, deps)`` with its VJP.
     """
     rank = group.rank()
+    grad_plan = columns.column_plan(plan, columns_at)
 
     @mx.custom_function
     def gather(held, deps):
@@ -120,7 +127,7 @@ def make_gather(plan: Plan, group, method: str, traced: bool, stream=None):
     def gather_vjp(primals, cotangents, _):
         held, deps = primals
         order = CollectiveOrder(group, traced)
-        grads = reduce_buckets(plan, cotangents, held, group, rank, method, order, stream)
+        grads = reduce_buckets(grad_plan, cotangents, held, group, rank, method, order, stream)
         # What the layers before this module need of their backward pass
         # waits for the reduced gradients (see the module docstring).
         token = mx.concatenate([layout.empty_of(g).astype(mx.float32) for g in grads])

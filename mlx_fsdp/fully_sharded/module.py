@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import collectives, control, ending, layout, watchdog
+from .. import collectives, columns, control, ending, layout, watchdog
 from ..accumulate import is_traced
 from ..order import CollectiveOrder
 from ..plan import Plan
@@ -86,7 +86,8 @@ class FullyShardedModule(nn.Module):
             plan=plan, group=group, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_after_forward, communication_stream=communication_stream,
             _paths=[p for p, _ in flat], _dtypes=[a.dtype for _, a in flat],
-            _method=collectives.reduce_scatter_method(group), _gathers={}, _dog=dog)
+            _method=collectives.reduce_scatter_method(group), _gathers={}, _dog=dog,
+            _columns=columns.linear_weights(module, trainable))
         for k, v in settings.items():  # plain attributes, not children or parameters
             object.__setattr__(self, k, v)
         LIVE[id(self)] = self
@@ -103,7 +104,7 @@ class FullyShardedModule(nn.Module):
             rest = [i for i, p in enumerate(self._paths) if p not in trainable]
             plans = _subplan(self.plan, keep), _subplan(self.plan, rest)
             gather = make_gather(plans[0], self.group, self._method, traced,
-                                 self.communication_stream)
+                                 self.communication_stream, self._columns)
             self._gathers[key] = (keep, rest, plans, gather, traced)
         return self._gathers[key]
 
