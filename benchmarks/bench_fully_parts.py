@@ -15,11 +15,11 @@ so that a neighbour's load hits them alike:
 * ``sharded step`` / ``fully sharded step``: the whole step with ``fsdp_step``
   (AdamW, ``max_norm`` 1) on the plain and the wrapped model;
 * ``weight gradients to rows``: the copy that cuts the ``Linear`` weights'
-  gradients into axis-0 rows, as ``fully_shard``'s reduce-scatter must.
-  MLX returns such a gradient as the transpose of an ``(in, out)`` buffer,
-  so on the CPU this is a strided copy of every weight; ``fsdp_step`` lays
-  2-D arrays out in column order (:mod:`mlx_fsdp.flat`) and reads the same
-  buffer straight.
+  gradients into axis-0 rows whole, as ``fully_shard``'s reduce-scatter did
+  before it read them in column order (:mod:`mlx_fsdp.columns`). MLX
+  returns such a gradient as the transpose of an ``(in, out)`` buffer, so
+  on the CPU this is a strided copy of every weight; the column order reads
+  the buffer in plain runs and turns only this rank's ``1/N`` into rows.
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_fully_parts.py
 """
