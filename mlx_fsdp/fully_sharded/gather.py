@@ -90,7 +90,7 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
         for s, g in collectives.reduce_bucket(b, grads, group, method=method, order=order,
                                               stream=stream):
             dtype = held[s.index].dtype
-            out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" and g.ndim == 2 \
+            out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" \
                 else (g / n).astype(dtype)
     if plan.buckets:
         out[0] = order.settle(out[0])
