@@ -18,8 +18,10 @@ so that a neighbour's load hits them alike:
   gradients into axis-0 rows whole, as ``fully_shard``'s reduce-scatter did
   before it read them in column order (:mod:`mlx_fsdp.columns`). MLX
   returns such a gradient as the transpose of an ``(in, out)`` buffer, so
-  on the CPU this is a strided copy of every weight; the column order reads
-  the buffer in plain runs and turns only this rank's ``1/N`` into rows.
+  on the CPU this is a strided copy of every weight;
+* ``weight gradients, column order``: what the column order copies instead:
+  the other ranks' rows as plain runs of the buffer, and this rank's own
+  ``1/N`` turned into rows (:func:`mlx_fsdp.columns.row_major`).
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_fully_parts.py
 """
@@ -40,6 +42,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 import lm  # noqa: E402
 import mlx_fsdp  # noqa: E402
+from mlx_fsdp import columns, rows  # noqa: E402
 from _common import MLP  # noqa: E402
 from mlx_fsdp.fully_sharded.gather import gather_buckets  # noqa: E402
 from mlx_fsdp.order import CollectiveOrder  # noqa: E402
@@ -90,7 +93,22 @@ def parts(args, group):
         "sharded step": lambda: step(plain, grad_plain),
         "fully sharded step": lambda: step(full, grad_full),
         "weight gradients to rows": lambda: mx.eval([g.reshape(-1) for g in weights]),
+        "weight gradients, column order": lambda: mx.eval(column_order(weights, group)),
     }
+
+
+def column_order(weights, group):
+    """What the column order does instead, on each weight: the other ranks' rows
+    as column runs (what is sent) and this rank's own rows turned back."""
+    n, rank = group.size(), group.rank()
+    out = []
+    for g in weights:
+        k = rows.chunk(g.shape, n)
+        spans = [rows.held_rows(g.shape, k, r) for r in range(n)]
+        out += [g[lo:hi].T.reshape(-1) for r, (lo, hi) in enumerate(spans) if r != rank and hi > lo]
+        lo, hi = spans[rank]
+        out.append(columns.row_major(g[lo:hi], n, g.dtype))
+    return out
 
 
 def main(argv=None):

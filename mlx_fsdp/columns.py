@@ -73,9 +73,9 @@ def column_plan(plan: Plan, paths: frozenset) -> Plan:
 def add(slot: Slot, a: mx.array, b: mx.array) -> mx.array:
     """``a + b`` for two arrays a rank holds of ``slot``, computed in the slot's order.
 
-    In column order both are transposed views. Summed as they are, MLX walks
-    both across strides (1024x2048 float32 on the CPU: 32 ms); transposed
-    back, they are plain runs (1.2 ms). The sum is the same, bit for bit.
+    In column order both are transposed views with different strides.
+    Summed as they are, MLX's CPU walks both across strides, element by
+    element; transposed back, they are plain runs. The sum is the same, bit for bit.
     """
     if slot.order == "F" and a.ndim == 2:
         return (a.T + b.T).T
@@ -90,9 +90,9 @@ def row_major(a: mx.array, divisor: int, dtype: mx.Dtype) -> mx.array:
     CPU copy of a transpose goes element by element across strides. Here a
     first pass moves runs of ``_BLOCK`` elements and the division (which
     writes a row-major buffer from any view) transposes blocks that stay in
-    the cache: ``1024 x 2048`` float32 took 4.4 ms against 11.7 ms for
-    the division and one copy, with two buffers alive as there.
-    Other devices copy it at once.
+    the cache, with two buffers alive as for the division and one copy
+    (``benchmarks/bench_fully_parts.py``, part "weight gradients, column
+    order"). Other devices copy it at once.
     """
     rows, cols = a.shape
     if mx.default_device() != mx.cpu or rows % _BLOCK or rows < 2 * _BLOCK:
