@@ -17,6 +17,7 @@ import shutil
 import struct
 import sys
 
+import mlx.core as mx
 import pytest
 
 from launch import ROOT, run_script
@@ -211,28 +212,33 @@ def test_compare_two_ranks_writes_agreeing_curves_and_a_plot(tmp_path):
         res = json.load(f)
     assert {"ddp", "fsdp", "ddp_repeat", "config"} <= set(res)
     assert res["config"]["world_size"] == 2 and res["config"]["steps"] == steps
-    # On the CPU two DDP runs of one seed are bitwise equal: the floor is 0 and the tolerance applies.
-    assert res["ddp_repeat"]["loss"] == res["ddp"]["loss"]
-    assert res["noise_floor"] == 0 and res["tolerance"] == 1e-3
-    assert res["limit"] == 1e-3 and res["limit_source"] == "tolerance" and res["within"] is True
+    on_cpu = mx.default_device() == mx.cpu
+    if on_cpu:
+        # On the CPU two DDP runs of one seed are bitwise equal: the floor is 0 and the tolerance applies.
+        assert res["ddp_repeat"]["loss"] == res["ddp"]["loss"]
+        assert res["noise_floor"] == 0
+    # A GPU's reductions are not bitwise repeatable (seen on an H200), so there
+    # the limit is the larger of the tolerance and the measured DDP/DDP floor.
+    assert res["tolerance"] == 1e-3 and res["limit"] == max(1e-3, res["noise_floor"])
+    assert res["within"] is True
     for mode in ("ddp", "fsdp", "fully_shard", "ddp_repeat"):
         run = res[mode]
         assert len(run["loss"]) == len(run["step_ms"]) == steps
         assert all(math.isfinite(v) for v in run["loss"]) and min(run["step_ms"]) > 0
         assert run["peak_memory"] > 0 and run["loss"][-1] < run["loss"][0] - 0.5
     for mode in ("fsdp", "fully_shard"):
-        assert all(abs(d - f) <= 1e-3 for d, f in zip(res["ddp"]["loss"], res[mode]["loss"]))
+        assert all(abs(d - f) <= res["limit"] for d, f in zip(res["ddp"]["loss"], res[mode]["loss"]))
         assert res[mode]["state_bytes"] <= res["ddp"]["state_bytes"] * (0.5 + 0.02)
         assert re.search(rf"^\| {mode} \| [\d.]+ \| [\d.]+ \|", out, re.M), out
     # Only fully_shard shards the parameters themselves.
     assert res["fsdp"]["param_bytes"] == res["ddp"]["param_bytes"]
     assert res["fully_shard"]["param_bytes"] <= res["ddp"]["param_bytes"] * (0.5 + 0.02)
     assert "DDP vs FSDP on 2 ranks:" in out
-    assert "max |FSDP - DDP| loss over all steps" in out and "within 0.001" in out
+    assert "max |FSDP - DDP| loss over all steps" in out and (not on_cpu or "within 0.001" in out)
     assert "max |fully sharded - DDP| loss over all steps" in out
     assert re.search(r"fully sharded / DDP: parameters 0\.5\d\dx, optimizer state", out), out
-    assert ("noise floor, max |DDP - DDP| loss of two DDP runs with the same seed: 0.00e+00; "
-            "FSDP judged against the tolerance 0.001 (larger than the noise floor)") in out
+    assert not on_cpu or ("noise floor, max |DDP - DDP| loss of two DDP runs with the same seed: 0.00e+00; "
+                          "FSDP judged against the tolerance 0.001 (larger than the noise floor)") in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:

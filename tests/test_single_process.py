@@ -82,8 +82,13 @@ def test_compile_with_state_inputs_and_outputs():
         # A compiled graph may fuse the sum of squares and add in another order:
         # float32 sums of n terms agree to about n * 2**-24 relative.
         assert mx.allclose(opt.grad_norm, ref.grad_norm, rtol=NORM_RTOL, atol=0)
+    # On an H200 (mlx-cuda 0.32.4, TF32 off) compiled and eager parameters
+    # differed by up to 1.6e-4 after three Adam steps of 1e-2: fused GPU kernels
+    # round otherwise, and Adam's m / sqrt(v) magnifies that where a gradient is
+    # near zero. Still a tenth of one step, far below what a wrong update moves.
+    atol = 1e-6 if mx.default_device() == mx.cpu else 1e-3
     for (_, a), (_, b) in zip(tree_flatten(model.parameters()), tree_flatten(ref_model.parameters())):
-        assert mx.allclose(a, b, atol=1e-6)
+        assert mx.allclose(a, b, atol=atol)
 
 
 def test_learning_rate_is_forwarded_and_settable():
