@@ -420,3 +420,26 @@ def test_bench_fully_parts_times_every_part_on_two_ranks():
     for part in ("plain forward", "fully sharded forward", "gather", "plain forward+backward",
                  "fully sharded forward+backward", "sharded step", "fully sharded step"):
         assert re.search(rf"^{re.escape(part)} +median +[\d.]+ +min +[\d.]+$", out, re.M), out
+
+
+def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
+    """benchmarks/gpu_check.sh, shrunk (SMALL=1) and on this machine's device:
+    every part it runs on a lent GPU still runs, and a test file it is given
+    reports its own summary."""
+    import subprocess
+
+    env = dict(os.environ, SMALL="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cmd = ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(tmp_path), "150", "-",
+           "test_fused.py"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"HANG: {' '.join(cmd)} did not finish in 200s\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = (tmp_path / "step.txt").read_text()
+    for row in ("fully_shard, root", "fully_shard, per block (reshard) + root",
+                "DDP + checkpoint per block"):
+        assert step.count(f"| {row} |") == 2, step  # the GPT's table and the MLP's
+    assert (tmp_path / "step_gpt.md").exists() and (tmp_path / "step_mlp.md").exists()
+    assert re.search(r"^\d+ passed in ", (tmp_path / "suite.txt").read_text(), re.M)
+    assert not (tmp_path / "yard.txt").exists()  # "-" skips the yardstick

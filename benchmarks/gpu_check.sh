@@ -1,0 +1,69 @@
+#!/bin/bash
+# The GPU measurements of benchmarks/README.md ("On a GPU"), bounded in time.
+#
+# For a GPU lent for minutes: the yardstick, bench_step with the fully
+# sharded rows (the 85.6M GPT and the MLP of issue 19), then the test files
+# in the order given, each under what is left of the budget, so that a
+# lease that runs out still returns everything measured so far. Two ranks
+# share the GPU over ring (NCCL needs one GPU per rank). Every output goes
+# to OUT_DIR as it is written: env.txt, yard.txt, step.txt (+ .md tables),
+# suite.txt.
+#
+# usage: bash benchmarks/gpu_check.sh OUT_DIR SECONDS YARDSTICK [TEST_FILE ...]
+#   YARDSTICK: path of shared/gpu/yardstick.py (copy it into the checkout
+#   if the machine gets only the checkout); "-" skips it.
+#   TEST_FILE: names under tests/, e.g. test_fully_shard.py; none runs no tests.
+#   SMALL=1 shrinks every model (a dry run on the CPU).
+set -u
+out=$1; budget=$2; yard=$3; shift 3
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+here=$(cd "$(dirname "$0")" && pwd)
+port=$((RANDOM + 20000))
+left() { echo $((budget - SECONDS)); }
+ranks() {  # ranks SECONDS SCRIPT ARGS...: two ring ranks, at most SECONDS
+    local t=$1; shift
+    port=$((port + 50))
+    timeout "$t" python3 "$here/ring_local.py" -n 2 --starting-port "$port" -- python3 "$@"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info())'
+} | tee "$out/env.txt"
+
+if [ "${SMALL:-0}" = 1 ]; then
+    yard_args="--dims 64 --layers 2 --heads 2 --seq 16 --batch 2 --steps 2"
+    gpt="--dims 64 --layers 2 --heads 2 --seq-len 16 --batch 2 --steps 2 --warmup 1 --block 1"
+    mlp="--hidden 128 --batch 8 --steps 2 --block 1"
+else
+    yard_args=""
+    gpt="--dims 768 --layers 12 --heads 12 --seq-len 256 --batch 16 --steps 6 --warmup 2 --block 3"
+    mlp="--hidden 2048 --batch 8 --steps 10 --block 5"
+fi
+fully="--communication-size default --dtype float32 --modes fsdp ddp fully_shard ddp_checkpoint"
+fully="$fully --wrap root blocks reshard"
+
+if [ "$yard" != - ]; then
+    echo "== yardstick, defaults" | tee "$out/yard.txt"
+    ranks 130 "$yard" $yard_args 2>&1 | tee -a "$out/yard.txt"
+    echo "== yardstick, 3.3M GPT" | tee -a "$out/yard.txt"
+    ranks 45 "$yard" --dims 256 --layers 4 --heads 4 --seq 32 --batch 4 --steps 20 2>&1 \
+        | tee -a "$out/yard.txt"
+fi
+echo "== bench_step, GPT" | tee "$out/step.txt"
+ranks 170 "$here/bench_step.py" --model gpt $gpt $fully --markdown "$out/step_gpt.md" 2>&1 \
+    | tee -a "$out/step.txt"
+echo "== bench_step, MLP" | tee -a "$out/step.txt"
+ranks 75 "$here/bench_step.py" $mlp $fully --markdown "$out/step_mlp.md" 2>&1 \
+    | tee -a "$out/step.txt"
+
+# The harness turns TF32 off for every rank; here too, for the test process.
+export MLX_ENABLE_TF32=0
+: > "$out/suite.txt"
+for f in "$@"; do
+    t=$(( $(left) - 3 ))
+    if [ "$t" -lt 10 ]; then echo "== $f: no time left" | tee -a "$out/suite.txt"; continue; fi
+    echo "== $f (${t}s left)" | tee -a "$out/suite.txt"
+    timeout "$t" python3 -m pytest -q --tb=short -p no:cacheprovider -rfE "$here/../tests/$f" 2>&1 \
+        | tail -n 60 | tee -a "$out/suite.txt"
+done
