@@ -24,7 +24,7 @@ takes seconds on the first step and may be missing: the CPU stays eager.
 
 import os
 import warnings
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import mlx.core as mx
 
@@ -34,12 +34,20 @@ from . import accumulate, consistency
 ENV_VAR = "MLX_FSDP_FUSED_UPDATE"
 
 
-def use_fused_updates() -> bool:
-    """Whether ``fsdp_step`` compiles its update: ``MLX_FSDP_FUSED_UPDATE``, else on a GPU."""
+def use_fused_updates(device: Optional[str] = None) -> bool:
+    """Whether ``fsdp_step`` compiles its update: ``MLX_FSDP_FUSED_UPDATE``, else on a GPU.
+
+    Args:
+        device (str, optional): ``"cpu"`` or ``"gpu"``, where the step runs
+            (the memory planner plans for another machine). Default:
+            ``None``, MLX's default device.
+    """
     choice = os.environ.get(ENV_VAR)
     if choice not in (None, "", "0", "1"):
         raise ValueError(f"{ENV_VAR}={choice!r} must be 1 (compile the update) or 0 (eager).")
-    return choice == "1" if choice else mx.default_device() == mx.gpu
+    if choice:
+        return choice == "1"
+    return device == "gpu" if device is not None else mx.default_device() == mx.gpu
 
 
 class FusedUpdates:

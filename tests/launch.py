@@ -175,11 +175,12 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
 
 
 def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: float = 240,
-               cwd: str = ROOT) -> str:
+               cwd: str = ROOT, env: dict = None) -> str:
     """Run any script (path relative to the repository root) on ``n`` ranks; return its output.
 
     ``n == 1`` runs it as one plain process. The launch must succeed; a hang
-    fails the test with a ``HANG`` message, as in :func:`run_ranks`.
+    fails the test with a ``HANG`` message, as in :func:`run_ranks`. ``env``:
+    extra environment variables (ranks of ``n > 1`` only).
     """
     path = os.path.join(ROOT, path)
     if n == 1:
@@ -193,7 +194,7 @@ def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: floa
         code, out = proc.returncode, proc.stdout + proc.stderr
     else:
         backend = backend or ("ring" if n == 2 else "mpi")
-        code, out, cmd = _launch(n, path, args, backend, timeout, cwd)
+        code, out, cmd = _launch(n, path, args, backend, timeout, cwd, env)
     if code != 0:
         pytest.fail(f"{os.path.basename(path)} on {n} rank(s) exited with {code}\n"
                     f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")

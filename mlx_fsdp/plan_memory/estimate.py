@@ -28,12 +28,11 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 * **gathered** and **full gradients** (``fully_shard`` only): the full
   parameters of the wrapped modules alive at once in the forward and
   backward pass, and the full gradients of one of them before its
-  reduce-scatter.
-
+  reduce-scatter;
 * **temporaries**: the optimizer's arithmetic and what MLX's run-ahead
-  keeps alive next to it (:mod:`mlx_fsdp.plan_memory.transient`);
-* **activations**: one batch's forward and backward pass, given
-  (:mod:`mlx_fsdp.plan_memory.activations`).
+  keeps alive next to it, compiled or not as ``fsdp_step`` runs it there
+  (:mod:`mlx_fsdp.plan_memory.transient`);
+* **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`).
 
 The **peak** is their sum, an upper bound of one training step
 (``benchmarks/bench_plan_memory.py`` measures the margin).
@@ -45,6 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..fused import use_fused_updates
 from . import fully, optimizers
 from .transient import temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
@@ -142,7 +142,7 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                 master_dtype: Optional[mx.Dtype], accumulation: str,
-                reduce_scatter: Optional[str] = None) -> List[RankMemory]:
+                reduce_scatter: Optional[str] = None, compiled: bool = False) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
@@ -162,7 +162,7 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             communication=comm, new_parameters=new,
             # and the division by N's copy of what this rank reduced, and one
             # more bucket vector that MLX's run-ahead packs before the last is freed
-            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype)
+            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype, compiled)
             + pieces + max(b.vector for b in state["buckets"]),
         ))
     return out
@@ -171,7 +171,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
 def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
-                 reshard_after_forward: bool, every_rank: bool = False) -> List[RankMemory]:
+                 reshard_after_forward: bool, every_rank: bool = False,
+                 compiled: bool = False) -> List[RankMemory]:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
@@ -197,7 +198,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]),
-                      temporaries=temporaries(name, held["pieces"], master_dtype))
+                      temporaries=temporaries(name, held["pieces"], master_dtype, compiled))
         passing = units.gathered + units.full_gradients + units.communication
         if passing >= grads + held["largest"]:  # the backward pass is the fuller phase
             out.append(RankMemory(**common, communication=units.communication, new_parameters=0,
@@ -282,17 +283,18 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         communication_size = default_communication_size(mode, device or default_device())
     flat, param_bytes = shape_only(model, dtype)
     master = None if master_dtype is None else getattr(mx, master_dtype)
+    compiled = use_fused_updates(device or default_device())  # fsdp_step's update
     if mode == "ddp":
         local = "none" if accumulation == "none" else "local"
         return [ddp_memory(optimizer, flat, param_bytes, world_size,
                            communication_size, master, local)]
     if mode == "fsdp":
         return fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
-                           accumulation, reduce_scatter)
+                           accumulation, reduce_scatter, compiled)
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
-                        reshard_after_forward, every_rank)
+                        reshard_after_forward, every_rank, compiled)

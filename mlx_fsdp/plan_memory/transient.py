@@ -17,7 +17,16 @@ step's dtype:
   1-byte memory limit, which makes it free each buffer before queuing more;
 * ``ops``: the operations of one update (nodes of ``mx.export_to_dot``).
 
-``tests/test_plan_memory.py`` measures all three on the installed MLX.
+No test holds these constants one by one; the grid of
+``benchmarks/bench_plan_memory.py`` (and ``tests/test_plan_memory.py``)
+holds the sum. One update alone, with the caller holding the old parameter
+(mlx 0.32.4, CPU, a 2**20-element vector, 2026-11-26), peaked at, in
+elements per element (one limited to a 1-byte memory limit in brackets):
+AdamW 5 (3), Adam 4 (2), SGD 1 (1), Lion 4 (3), Adafactor on a matrix 5
+(3); compiled as ``fsdp_step`` runs it on a GPU (:mod:`mlx_fsdp.fused`):
+3, 3, 2, 2, 5. So AdamW's and Lion's totals and lives, and SGD's compiled
+total, are above their profiles: the model's margin comes from counting
+the largest updates twice (:func:`in_flight`), not from each profile.
 
 How many updates overlap (:func:`in_flight`): MLX orders a graph
 breadth-first at most ``MLX_BFS_MAX_WIDTH`` (20) nodes wide, and an
@@ -70,6 +79,11 @@ ADAFACTOR_MATRIX = Profile(5, 3, 62)
 MUON_OPS = 68
 #: With a master copy: the gradient cast up, the new parameter cast down.
 MASTER_OPS = 2
+#: Compiled (:mod:`mlx_fsdp.fused`, ``fsdp_step`` on a GPU), an update writes
+#: its new state and parameter without reusing the old buffers: elements per
+#: element where that is more than the eager profile's (measured: compiled
+#: SGD with momentum 2, AdamW and Adam 3, Lion 2, Adafactor 5).
+COMPILED_TOTAL = {"sgd": 2}
 
 
 class Update(NamedTuple):
@@ -81,7 +95,7 @@ class Update(NamedTuple):
 
 
 def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int,
-                master_size: int = 0) -> Update:
+                master_size: int = 0, compiled: bool = False) -> Update:
     """What updating one array (or this rank's piece of it) allocates.
 
     Args:
@@ -90,6 +104,8 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
         shape (tuple): The shape updated (a piece's, under FSDP).
         param_size (int): Bytes per element of the parameter.
         master_size (int): Bytes per element of its master copy; 0 for none.
+        compiled (bool): The update is compiled (see :data:`COMPILED_TOTAL`).
+            Default: ``False``.
 
     Returns:
         Update: Bytes allocated in all, bytes alive at once, operations.
@@ -111,6 +127,9 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
         return Update(total * size + cast, live * size + cast, MUON_OPS + ops)
     name = "adamw" if optimizer == "muon" else optimizer
     profile = ADAFACTOR_MATRIX if name == "adafactor" and matrix else PROFILES[name]
+    if compiled and name in COMPILED_TOTAL:
+        most = max(profile.total, COMPILED_TOTAL[name])
+        profile = Profile(most, max(profile.live, most), profile.ops)
     return Update(int(profile.total * n * size) + cast, int(profile.live * n * size) + cast,
                   profile.ops + ops)
 
@@ -145,13 +164,15 @@ def in_flight(updates: Sequence[Update]) -> Tuple[int, int]:
 
 
 def costs(optimizer: str, pieces: Sequence[Tuple[str, Sequence[int], int]],
-          master_size: int = 0) -> List[Update]:
+          master_size: int = 0, compiled: bool = False) -> List[Update]:
     """:func:`update_cost` of every ``(path, shape, bytes per element)`` with elements."""
-    return [update_cost(optimizer, path, shape, size, master_size if size != master_size else 0)
+    return [update_cost(optimizer, path, shape, size, master_size if size != master_size else 0,
+                        compiled)
             for path, shape, size in pieces if math.prod(shape)]
 
 
-def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None) -> int:
+def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
+                compiled: bool = False) -> int:
     """Bytes of the optimizer's temporaries alive at once in one rank's step.
 
     Args:
@@ -159,11 +180,13 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
         pieces (list): ``(path, array)`` of what this rank updates (whole
             arrays, or its pieces of them), shape-only.
         master_dtype (Dtype, optional): The masters' dtype. Default: ``None``.
+        compiled (bool): The step compiles its update (``fsdp_step`` on a
+            GPU, :func:`mlx_fsdp.fused.use_fused_updates`). Default: ``False``.
 
     Returns:
         int: ``chains + ahead`` of :func:`in_flight`.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     chains, ahead = in_flight(costs(optimizer, [(p, tuple(a.shape), a.dtype.size)
-                                                for p, a in pieces], master_size))
+                                                for p, a in pieces], master_size, compiled))
     return chains + ahead
