@@ -180,14 +180,15 @@ def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: floa
 
     ``n == 1`` runs it as one plain process. The launch must succeed; a hang
     fails the test with a ``HANG`` message, as in :func:`run_ranks`. ``env``:
-    extra environment variables (ranks of ``n > 1`` only).
+    extra environment variables for the script.
     """
     path = os.path.join(ROOT, path)
     if n == 1:
         cmd = [sys.executable, path, *[str(a) for a in args]]
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        plain = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                     **(env or {}))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd,
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=plain, cwd=cwd,
                                   timeout=timeout)
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"HANG: {' '.join(cmd)} did not finish in {timeout:.0f}s\n{e.stdout}")
