@@ -21,7 +21,7 @@ collective (:mod:`mlx_fsdp.consistency`).
 
 import mlx.core as mx
 
-from . import accumulate, clip, collectives, consistency, layout
+from . import accumulate, clip, collectives, consistency, layout, pace
 from ._trees import like, match
 from .fully_sharded.model import step_plan
 from .placement import sub_optimizers
@@ -106,6 +106,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         held = dict(zip(held, sums))
         if finish is False:
             return None, None, plan
+    # On the CPU the update's new state would otherwise be allocated while
+    # the last reduce-scatter still holds its buffers (see mlx_fsdp.pace).
+    held = dict(zip(held, pace.after_queue(list(held.values()), traced)))
     replicas = opts.world_size // n
     # (A gradient the model averaged is not divided by 1: that would copy it.)
     held = {p: g if p in averaged and replicas * k == 1 else

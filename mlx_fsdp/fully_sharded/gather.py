@@ -14,11 +14,14 @@ the full arrays should exist only while they are used:
 
 * a gather waits for the module's inputs (``mx.depends``), so a block's
   parameters are gathered when the block runs, not when MLX happens to
-  schedule an independent all-gather;
+  schedule an independent all-gather; on the CPU it also waits for MLX's
+  queue to drain (:mod:`mlx_fsdp.pace`);
 * the VJP hands every input a zero cotangent that depends on the reduced
   gradients, so the backward pass of the layers before this module waits
   for its reduce-scatter: the full gradients are freed as soon as they are
-  summed, and the reduce-scatters run in the backward pass's own order;
+  summed, and the reduce-scatters run in the backward pass's own order; on
+  the CPU they also wait for MLX's queue to drain, so that the earlier
+  layers' buffers are not allocated before these are freed;
 * the buckets of one module, and all collectives of a group, are chained by
   :class:`mlx_fsdp.order.CollectiveOrder`, as in the sharded step.
 """
@@ -29,11 +32,13 @@ import mlx.core as mx
 
 from .. import collectives, columns, layout
 from ..order import CollectiveOrder
+from ..pace import paced
 from ..plan import Plan
 
 
 def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array], group,
-                   rank: int, order: CollectiveOrder, stream=None) -> List[mx.array]:
+                   rank: int, order: CollectiveOrder, stream=None,
+                   traced: bool = False) -> List[mx.array]:
     """The full arrays of ``plan`` from what this rank holds, one all-gather per bucket.
 
     Args:
@@ -44,6 +49,7 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
         rank (int): This rank in ``group``.
         order (CollectiveOrder): Chains the collectives.
         stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+        traced (bool): Whether this runs inside ``mx.compile``. Default: ``False``.
 
     Returns:
         list[array]: The full arrays, by ``Slot.index``, in each bucket's parameter dtype.
@@ -54,7 +60,7 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
         parts = layout.held_parts(b, {s.index: held[s.index] for s in b.held(rank)}, rank)
         shard = order.join(parts, dtype)
         if deps and i == 0:  # the later buckets wait for this one
-            shard = mx.depends(shard, list(deps))
+            shard = mx.depends(shard, [paced(deps, traced)])
         vector = order.ran(collectives.all_gather(shard, group, stream=stream))
         for s, a in zip(b.slots, layout.unpack(b, vector)):
             full[s.index] = a
@@ -121,7 +127,7 @@ def make_gather(plan: Plan, group, method: str, traced: bool, stream=None,
     @mx.custom_function
     def gather(held, deps):
         order = CollectiveOrder(group, traced)
-        return gather_buckets(plan, held, deps, group, rank, order, stream)
+        return gather_buckets(plan, held, deps, group, rank, order, stream, traced)
 
     @gather.vjp
     def gather_vjp(primals, cotangents, _):
@@ -130,8 +136,7 @@ def make_gather(plan: Plan, group, method: str, traced: bool, stream=None,
         grads = reduce_buckets(grad_plan, cotangents, held, group, rank, method, order, stream)
         # What the layers before this module need of their backward pass
         # waits for the reduced gradients (see the module docstring).
-        token = mx.concatenate([layout.empty_of(g).astype(mx.float32) for g in grads])
-        zero = mx.depends(mx.zeros((), mx.float32), token)
+        zero = mx.depends(mx.zeros((), mx.float32), paced(grads, traced))
         return grads, [mx.broadcast_to(zero.astype(d.dtype), d.shape) for d in deps]
 
     return gather

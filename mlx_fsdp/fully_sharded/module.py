@@ -115,7 +115,7 @@ class FullyShardedModule(nn.Module):
         if rest:
             order = CollectiveOrder(self.group, traced)
             frozen = gather_buckets(frozen_plan, [held[i] for i in rest], deps, self.group,
-                                    self.group.rank(), order, self.communication_stream)
+                                    self.group.rank(), order, self.communication_stream, traced)
             for i, a in zip(rest, frozen):
                 full[i] = mx.stop_gradient(a)
         if keep:
