@@ -280,7 +280,7 @@ def test_fully_shard_wraps_each_block_then_the_root():
 def test_fully_shard_rank_holds_its_rows_and_gathers_blocks():
     """The issue's 8B at N=8: rank 0 holds ceil(rows / 8) rows of every array,
     and gathers the whole model without reshard_after_forward; with it, the root
-    and the blocks MLX may have in flight at once on the CPU (BLOCKS_ALIVE: one
+    and the blocks MLX may have in flight at once on a GPU (BLOCKS_ALIVE["gpu"]: one
     finishing its backward pass, one running, one gathering). The reference is
     arithmetic on the published shapes."""
     model = shapes.llama(**shapes.PRESETS["8B"])
@@ -301,7 +301,7 @@ def test_fully_shard_rank_holds_its_rows_and_gathers_blocks():
         assert r.peak == sum(v for k, v in r.to_dict().items() if k != "peak")
     assert kept.full_gradients == root_bytes  # the embedding and the head, until the end
     assert kept.gathered == 2 * model.num_parameters
-    assert resharded.gathered == resharded.full_gradients == root_bytes + BLOCKS_ALIVE * block_bytes
+    assert resharded.gathered == resharded.full_gradients == root_bytes + BLOCKS_ALIVE["gpu"] * block_bytes
     assert round((r.parameters + r.gradients) / GIB, 2) == 3.74
     assert round((fsdp.parameters + fsdp.gradients) / GIB, 2) == 29.92
     assert resharded.peak < kept.peak < fsdp.peak

@@ -172,7 +172,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False,
-                 compiled: bool = False) -> List[RankMemory]:
+                 device: str = "cpu") -> List[RankMemory]:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
@@ -187,9 +187,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
-                      wrap, reshard_after_forward, method)
-    # Cut by rows, rank 0 holds the most of every array (ceil(rows / N) rows):
-    # only owners make another rank the fullest.
+                      wrap, reshard_after_forward, method, device)
+    # Rank 0 holds the most rows of every array: only owners make another rank fuller.
     owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
     out = []
     for rank in range(world_size) if owned or every_rank else [0]:
@@ -198,7 +197,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]),
-                      temporaries=temporaries(name, held["pieces"], master_dtype, compiled))
+                      temporaries=temporaries(name, held["pieces"], master_dtype,
+                                              use_fused_updates(device)))
         passing = units.gathered + units.full_gradients + units.communication
         if passing >= grads + held["largest"]:  # the backward pass is the fuller phase
             out.append(RankMemory(**common, communication=units.communication, new_parameters=0,
@@ -279,22 +279,22 @@ def estimate_ranks(
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank):
     optimizers.make(optimizer)
+    device = device or default_device()
     if communication_size is None:
-        communication_size = default_communication_size(mode, device or default_device())
+        communication_size = default_communication_size(mode, device)
     flat, param_bytes = shape_only(model, dtype)
     master = None if master_dtype is None else getattr(mx, master_dtype)
-    compiled = use_fused_updates(device or default_device())  # fsdp_step's update
     if mode == "ddp":
         local = "none" if accumulation == "none" else "local"
         return [ddp_memory(optimizer, flat, param_bytes, world_size,
                            communication_size, master, local)]
     if mode == "fsdp":
         return fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
-                           accumulation, reduce_scatter, compiled)
+                           accumulation, reduce_scatter, use_fused_updates(device))
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
-                        reshard_after_forward, every_rank, compiled)
+                        reshard_after_forward, every_rank, device)

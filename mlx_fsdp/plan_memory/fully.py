@@ -24,7 +24,7 @@ phases:
   them, the padding rows or a mostly padded owner bucket's; or, with
   ``reshard_after_forward``, :data:`BLOCKS_ALIVE` blocks' gathers, vectors
   included, since MLX allocates the outputs of the operations it has
-  queued before they run, so that a block gathers again while the one
+  queued before they run, so that a block may gather again while the one
   after it has not freed its buffers), the **full gradients** of a unit
   (the largest of the blocks and the root, or the whole model wrapped
   once: the gather's VJP receives all its cotangents at once; with
@@ -57,8 +57,11 @@ from .sharding import bucket_bytes
 WRAPS = ("blocks", "model")
 
 #: With ``reshard_after_forward``, the blocks whose gathered parameters and full
-#: gradients are counted alive at once (see :func:`cut`).
-BLOCKS_ALIVE = 3
+#: gradients are counted alive at once, by device (see :func:`cut`). On the CPU,
+#: where evaluation is paced at every block (:mod:`mlx_fsdp.pace`), one was
+#: enough at every point measured; three before the pacing. On a GPU it is
+#: not measured, and the count from before the pacing stands.
+BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
@@ -124,7 +127,7 @@ class Units(NamedTuple):
 
 def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
         world_size: int, communication_size: int, wrap: str, reshard_after_forward: bool,
-        method: str) -> Units:
+        method: str, device: str = "cpu") -> Units:
     """The units of a model and what its forward and backward pass keep alive.
 
     Args:
@@ -136,6 +139,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         wrap (str): ``"blocks"`` or ``"model"``.
         reshard_after_forward (bool): As the blocks' ``fully_shard`` argument.
         method (str): The reduce-scatter (``"native"``, ``"exchange"``, ``"all_sum"``).
+        device (str): ``"cpu"`` or ``"gpu"`` (see :data:`BLOCKS_ALIVE`). Default: ``"cpu"``.
     """
     trained = set(trainable)
     plans, gathered, loads = [], [], ()
@@ -153,17 +157,17 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         # On the CPU, MLX allocates the outputs of the operations it has queued
         # before they run: while one block's backward pass runs, the block
         # after it may not have freed its gathered parameters and full
-        # gradients yet, and the block before it gathers already. Measured
-        # above the prediction with two blocks counted (SGD, MLP, ring N=2).
+        # gradients yet, and the block before it gathers already (before the
+        # pacing, two blocks counted were measured too few: SGD, MLP, ring N=2).
         alive = sum(kept + extra for prefix, kept, extra in gathered if not prefix) + \
-            sum(blocks[:BLOCKS_ALIVE])
+            sum(blocks[:BLOCKS_ALIVE[device]])
     else:  # what the gathers keep, and one gather's vector
         alive = sum(kept for _, kept, _ in gathered) + max((extra for _, _, extra in gathered),
                                                          default=0)
     grads = {prefix: sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
              for prefix, indices in split([p for p, _ in flat], wrap)}
     if ahead:  # the root's until the end of the backward pass, and the blocks' in flight
-        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE])
+        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE[device]])
     else:  # a unit's until its reduce-scatter, the root's until the end
         full = max(grads.values(), default=0)
     comm = max((reduce_buffers(bucket_bytes(b, [a for _, a in own], world_size, 0), method)

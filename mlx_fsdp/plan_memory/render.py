@@ -22,8 +22,8 @@ def render(model: shapes.Model, args, results, needed, resharded) -> str:
     ] + header_tail(args)
     for name in args.optimizer:
         out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
-        out += verdicts(results[name], args.memory) + compare(results[name],
-                                                              resharded.get(name))
+        out += verdicts(results[name], args.memory) + compare(
+            results[name], resharded.get(name), BLOCKS_ALIVE[args.device])
         if needed:
             out.append(_needed_line(results[name], needed, name, args.memory))
     return "\n".join(out)
@@ -47,9 +47,10 @@ def header_tail(args) -> list:
     return out
 
 
-def compare(rows, resharded=None) -> list:
+def compare(rows, resharded=None, blocks_alive: int = 1) -> list:
     """What fully sharding saves at the largest N: parameters and gradients, against
-    fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers."""
+    fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers,
+    ``blocks_alive`` blocks at once."""
     by = {(r.mode, r.world_size): r.fullest for r in rows}
     n = max(r.world_size for r in rows)
     if ("fully_shard", n) not in by or n == 1:
@@ -64,8 +65,9 @@ def compare(rows, resharded=None) -> list:
     out = [line]
     if resharded is not None:
         r = resharded.fullest
-        out.append(f"  with --reshard-after-forward (the root and {BLOCKS_ALIVE} blocks gathered "
-                   "at once, as MLX runs ahead): "
+        at_once = (f"{blocks_alive} blocks gathered at once, as MLX runs ahead" if blocks_alive > 1
+                   else "1 block gathered at once, evaluation paced on the CPU")
+        out.append(f"  with --reshard-after-forward (the root and {at_once}): "
                    f"gathered {gib(r.gathered)} GiB, peak {gib(r.peak)} GiB")
     return out
 
