@@ -42,6 +42,10 @@ from .layout import empty_of
 QUEUE_DEPTH = 32
 
 
+def _pacing(traced: bool) -> bool:
+    return not traced and QUEUE_DEPTH > 0 and mx.default_device() == mx.cpu
+
+
 def paced(arrays: Sequence[mx.array], traced: bool = False) -> mx.array:
     """An empty array that depends on ``arrays`` through ``QUEUE_DEPTH`` operations.
 
@@ -54,7 +58,7 @@ def paced(arrays: Sequence[mx.array], traced: bool = False) -> mx.array:
         the CPU, when traced, or with ``QUEUE_DEPTH`` 0, one on ``arrays`` alone.
     """
     empty = mx.concatenate([empty_of(a).astype(mx.float32) for a in arrays])
-    if traced or QUEUE_DEPTH == 0 or mx.default_device() != mx.cpu:
+    if not _pacing(traced):
         return empty
     tick = mx.depends(mx.zeros((1,), mx.float32), [empty])
     for _ in range(QUEUE_DEPTH):
@@ -63,8 +67,11 @@ def paced(arrays: Sequence[mx.array], traced: bool = False) -> mx.array:
 
 
 def after_queue(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:
-    """``arrays``, to be used only once everything they depend on has run (see :func:`paced`)."""
-    if not arrays:
+    """``arrays``, to be used only once everything they depend on has run (see :func:`paced`).
+
+    Unchanged where there is no pacing (off the CPU, traced, ``QUEUE_DEPTH`` 0).
+    """
+    if not arrays or not _pacing(traced):
         return list(arrays)
     token = paced(arrays, traced)
     return [mx.depends(a, token) for a in arrays]
