@@ -46,24 +46,25 @@ def _pacing(traced: bool) -> bool:
     return not traced and QUEUE_DEPTH > 0 and mx.default_device() == mx.cpu
 
 
-def paced(arrays: Sequence[mx.array], traced: bool = False) -> mx.array:
-    """An empty array that depends on ``arrays`` through ``QUEUE_DEPTH`` operations.
+def paced(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:
+    """What to ``mx.depends`` on to follow ``arrays``, paced on the CPU.
 
     Args:
         arrays (list[array]): What the caller's later operations must follow.
         traced (bool): Whether this runs inside ``mx.compile``. Default: ``False``.
 
     Returns:
-        array: A ``(0,)`` float32 array, a dependency that holds no data; off
-        the CPU, when traced, or with ``QUEUE_DEPTH`` 0, one on ``arrays`` alone.
+        list[array]: On the CPU, one empty array that depends on ``arrays``
+        through ``QUEUE_DEPTH`` operations; elsewhere (a GPU, traced, or
+        ``QUEUE_DEPTH`` 0), ``arrays`` themselves.
     """
-    empty = mx.concatenate([empty_of(a).astype(mx.float32) for a in arrays])
     if not _pacing(traced):
-        return empty
+        return list(arrays)
+    empty = mx.concatenate([empty_of(a).astype(mx.float32) for a in arrays])
     tick = mx.depends(mx.zeros((1,), mx.float32), [empty])
     for _ in range(QUEUE_DEPTH):
         tick = tick + 1  # one queued operation on one element
-    return tick[:0]
+    return [tick[:0]]
 
 
 def after_queue(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:

@@ -60,7 +60,7 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
         parts = layout.held_parts(b, {s.index: held[s.index] for s in b.held(rank)}, rank)
         shard = order.join(parts, dtype)
         if deps and i == 0:  # the later buckets wait for this one
-            shard = mx.depends(shard, [paced(deps, traced)])
+            shard = mx.depends(shard, paced(deps, traced))
         vector = order.ran(collectives.all_gather(shard, group, stream=stream))
         for s, a in zip(b.slots, layout.unpack(b, vector)):
             full[s.index] = a
