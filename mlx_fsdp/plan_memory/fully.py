@@ -154,11 +154,11 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     blocks = sorted((kept + extra for prefix, kept, extra in gathered if prefix), reverse=True)
     ahead = reshard_after_forward and wrap == "blocks" and blocks
     if ahead:
-        # On the CPU, MLX allocates the outputs of the operations it has queued
-        # before they run: while one block's backward pass runs, the block
+        # MLX allocates the outputs of the operations it has queued before
+        # they run: unpaced, while one block's backward pass runs, the block
         # after it may not have freed its gathered parameters and full
-        # gradients yet, and the block before it gathers already (before the
-        # pacing, two blocks counted were measured too few: SGD, MLP, ring N=2).
+        # gradients yet, and the block before it gathers already (on the CPU
+        # before the pacing, two blocks counted were measured too few).
         alive = sum(kept + extra for prefix, kept, extra in gathered if not prefix) + \
             sum(blocks[:BLOCKS_ALIVE[device]])
     else:  # what the gathers keep, and one gather's vector
