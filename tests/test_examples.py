@@ -422,6 +422,15 @@ def test_bench_fully_parts_times_every_part_on_two_ranks():
         assert re.search(rf"^{re.escape(part)} +median +[\d.]+ +min +[\d.]+$", out, re.M), out
 
 
+def test_bench_pace_compares_both_settings_on_two_ranks():
+    out = run_script(2, "benchmarks/bench_pace.py",
+                     ["--hidden", 32, "--layers", 2, "--batch", 2, "--blocks", 2, "--block", 1])
+    assert "N=2; MLP 2x32, batch 2 per rank; QUEUE_DEPTH 32 against 0" in out
+    for mode in ("fsdp", "root", "blocks", "reshard"):
+        assert re.search(rf"^{mode} +step ms +[\d.]+ -> +[\d.]+ \([\d.]+x\) +peak MiB +[\d.]+ -> +[\d.]+$",
+                         out, re.M), out
+
+
 def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
     """benchmarks/gpu_check.sh, shrunk (SMALL=1) and on this machine's device:
     every part it runs on a lent GPU still runs, and a test file it is given
