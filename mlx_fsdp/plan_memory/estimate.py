@@ -38,27 +38,22 @@ The **peak** is their sum, an upper bound of one training step
 (``benchmarks/bench_plan_memory.py`` measures the margin).
 """
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
 from .transient import temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
+from .parts import RankMemory, tree_bytes
 from .shapes import Model
 from .sharding import _fsdp_state, plain_state
 
 MODES = ("ddp", "fsdp", "fully_shard")
 ACCUMULATION = ("none", "local", "sharded")
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of every array in a tree (scalars included), without evaluating."""
-    return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
 
 
 def _floating(dtype: str) -> bool:
@@ -98,31 +93,6 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
             "pass a model with float32, bfloat16 or float16 weights."
         )
     return trainable, total
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Bytes one rank holds (see the module docstring for each field)."""
-
-    parameters: int
-    gradients: int
-    accumulation: int
-    optimizer: int
-    masters: int
-    communication: int
-    new_parameters: int
-    gathered: int = 0
-    full_gradients: int = 0
-    temporaries: int = 0
-    activations: int = 0
-
-    @property
-    def peak(self) -> int:
-        """Their sum: the predicted peak of one optimizer step."""
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def to_dict(self) -> dict:
-        return dict(asdict(self), peak=self.peak)
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -172,7 +142,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False,
-                 device: str = "cpu") -> List[RankMemory]:
+                 device: str = "cpu", activations: int = 0) -> List[RankMemory]:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
@@ -181,8 +151,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
         flat = [(p, a) for p, a in floating if p in trained]
-        return [ddp_memory(name, flat, param_bytes, 1, communication_size,
-                           master_dtype, accumulation)]
+        return [replace(ddp_memory(name, flat, param_bytes, 1, communication_size,
+                                   master_dtype, accumulation), activations=activations)]
     make_optimizer = lambda: optimizers.make(name)  # noqa: E731
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
@@ -196,15 +166,17 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         grads = held["gradients"]
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
-                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]),
-                      temporaries=temporaries(name, held["pieces"], master_dtype,
-                                              use_fused_updates(device)))
-        passing = units.gathered + units.full_gradients + units.communication
-        if passing >= grads + held["largest"]:  # the backward pass is the fuller phase
-            out.append(RankMemory(**common, communication=units.communication, new_parameters=0,
-                                  gathered=units.gathered, full_gradients=units.full_gradients))
-        else:  # the step: the divided gradients, and one new shard at a time
-            out.append(RankMemory(**common, communication=grads, new_parameters=held["largest"]))
+                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
+        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
+        acts = activations
+        if fully.phases_apart(device):  # the update waits for the whole backward pass
+            temps, acts = (temps, 0) if temps >= acts else (0, acts)
+        backward = RankMemory(**common, communication=units.communication, new_parameters=0,
+                              gathered=units.gathered, full_gradients=units.full_gradients,
+                              temporaries=temps, activations=acts)
+        update = RankMemory(**common, communication=grads, new_parameters=held["largest"],
+                            temporaries=temps, activations=acts)
+        out.append(max(backward, update, key=lambda r: r.peak))  # a tie: the backward pass
     return out
 
 
@@ -271,13 +243,14 @@ def estimate_ranks(
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
     if not isinstance(activations, int) or activations < 0:
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
-    ranks = _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
-                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank)
-    return [replace(r, activations=activations) for r in ranks]
+    return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
+                  accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
+                  activations)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
-           accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank):
+           accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
+           activations):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
@@ -286,15 +259,17 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
     master = None if master_dtype is None else getattr(mx, master_dtype)
     if mode == "ddp":
         local = "none" if accumulation == "none" else "local"
-        return [ddp_memory(optimizer, flat, param_bytes, world_size,
-                           communication_size, master, local)]
+        ranks = [ddp_memory(optimizer, flat, param_bytes, world_size,
+                            communication_size, master, local)]
+        return [replace(r, activations=activations) for r in ranks]
     if mode == "fsdp":
-        return fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
-                           accumulation, reduce_scatter, use_fused_updates(device))
+        ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
+                            accumulation, reduce_scatter, use_fused_updates(device))
+        return [replace(r, activations=activations) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
-                        reshard_after_forward, every_rank, device)
+                        reshard_after_forward, every_rank, device, activations)

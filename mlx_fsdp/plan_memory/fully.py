@@ -30,22 +30,26 @@ phases:
   once: the gather's VJP receives all its cotangents at once; with
   ``reshard_after_forward``, the root's and :data:`BLOCKS_ALIVE` blocks'),
   and in **comm** the reduce-scatter buffers of the largest bucket (as for
-  ``fsdp_step``, see :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`);
+  ``fsdp_step``, see :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`)
+  and its sum, from which the shard's gradient is then made in the shard's
+  dtype and row order;
 * the optimizer step: the gradients divided by ``N`` (**comm**, as large
   as the gradients, alive until each update) and one array's **new**
   shard.
 
-The optimizer's temporaries and, given a batch, the activations are added
-on top as in the other modes (:mod:`mlx_fsdp.plan_memory.estimate`);
-docs/memory-planner.md states the margin measured against
-``mx.get_peak_memory``.
+Given a batch, the **activations** are added, and the optimizer's
+**temporaries**, as in the other modes (:mod:`mlx_fsdp.plan_memory.estimate`),
+except on the CPU: there the update waits for the whole backward pass
+(:func:`phases_apart`), so the two are never alive together and only the
+larger is counted (the other is 0 in the table). docs/memory-planner.md
+states the margin measured against ``mx.get_peak_memory``.
 """
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import layout
+from .. import layout, pace
 from ..fully_sharded.model import model_plan
 from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
@@ -62,6 +66,16 @@ WRAPS = ("blocks", "model")
 #: enough at every point measured; three before the pacing. On a GPU it is
 #: not measured, and the count from before the pacing stands.
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
+
+
+def phases_apart(device: str) -> bool:
+    """Whether the update's temporaries and the pass's activations are never alive together.
+
+    On the CPU the step's update waits for the whole backward pass
+    (:func:`mlx_fsdp.pace.after_queue`), so only the larger of the two is
+    counted; on a GPU, unpaced, both are.
+    """
+    return device == "cpu" and pace.QUEUE_DEPTH > 0
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
@@ -170,8 +184,11 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE[device]])
     else:  # a unit's until its reduce-scatter, the root's until the end
         full = max(grads.values(), default=0)
-    comm = max((reduce_buffers(bucket_bytes(b, [a for _, a in own], world_size, 0), method)
-                for _, plan, own in plans for b in plan.buckets), default=0)
+    # The reduce-scatter's buffers, and its sum, which the gradient of the
+    # shard's own dtype and row order (columns.row_major) is then made from.
+    comm = max((reduce_buffers(bb, method) + bb.held
+                for _, plan, own in plans for b in plan.buckets
+                for bb in [bucket_bytes(b, [a for _, a in own], world_size, 0)]), default=0)
     # Every rank builds the same step plan; rank 0's gradients' shapes are checked.
     flat_grads = _held(plans, trained, 0)[3]
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]

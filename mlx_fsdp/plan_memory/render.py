@@ -3,7 +3,7 @@
 from . import fit, shapes
 from .buffers import BACKENDS, default_communication_size
 from .estimate import shape_only
-from .fully import BLOCKS_ALIVE
+from .fully import BLOCKS_ALIVE, phases_apart
 from .report import LABELS, describe, gib, table, verdicts
 
 
@@ -40,7 +40,10 @@ def header_tail(args) -> list:
     out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step"
                + (" or fully_shard's forward and backward pass (gathered, full grads), "
                   "whichever is fuller," if "fully_shard" in args.mode else ",")
-               + " temporaries (temps) and activations (acts) included: an upper bound"
+               + " temporaries (temps) and activations (acts) included"
+               + (" (fully_shard: only the larger, as the update waits for the backward pass "
+                  "here)" if "fully_shard" in args.mode and phases_apart(args.device) else "")
+               + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
                   + (" with mx.checkpoint per block" if args.grad_checkpoint else "")
                   if getattr(args, "batch_size", 0) else "; no batch given (--batch-size)"))
