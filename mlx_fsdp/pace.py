@@ -16,7 +16,8 @@ its CPU thread.
 point of the graph; whatever depends on the chain is queued only after it,
 and by then the worker has run everything up to that point and freed what
 it consumed. It is used where a fully sharded module's gather waits for the
-module's inputs and where the layers before it wait for its reduce-scatter
+module's inputs, where each bucket of its reduce-scatter waits for the one
+before, and where the layers before it wait for its reduce-scatter
 (:mod:`mlx_fsdp.fully_sharded.gather`), and where the step's update waits
 for its gradients (:mod:`mlx_fsdp.step`).
 
@@ -32,7 +33,7 @@ many operations each, where the chain would cost kernel launches for
 nothing; and inside ``mx.compile`` it would be fused away.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -67,12 +68,15 @@ def paced(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:
     return [tick[:0]]
 
 
-def after_queue(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:
+def after_queue(arrays: Sequence[mx.array], traced: bool = False,
+                after: Optional[Sequence[mx.array]] = None) -> List[mx.array]:
     """``arrays``, to be used only once everything they depend on has run (see :func:`paced`).
 
+    ``after``: what must have run instead. Default: ``None``, ``arrays`` themselves.
     Unchanged where there is no pacing (off the CPU, traced, ``QUEUE_DEPTH`` 0).
     """
-    if not arrays or not _pacing(traced):
+    after = arrays if after is None else after
+    if not arrays or not after or not _pacing(traced):
         return list(arrays)
-    token = paced(arrays, traced)
+    token = paced(after, traced)
     return [mx.depends(a, token) for a in arrays]

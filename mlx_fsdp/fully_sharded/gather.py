@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .. import collectives, columns, layout
 from ..order import CollectiveOrder
-from ..pace import paced
+from ..pace import after_queue, paced
 from ..plan import Plan
 
 
@@ -72,7 +72,7 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
 
 def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.array], group,
                    rank: int, method: str, order: CollectiveOrder,
-                   stream=None) -> List[mx.array]:
+                   stream=None, traced: bool = False) -> List[mx.array]:
     """This rank's part of the averaged gradients, one reduce-scatter per bucket.
 
     The last bucket first: the backward pass computes its gradients first.
@@ -86,18 +86,25 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
         method (str): The reduce-scatter method (see :mod:`mlx_fsdp.collectives`).
         order (CollectiveOrder): Chains the collectives.
         stream (mlx.core.Stream, optional): Stream of the collectives. Default: ``None``.
+        traced (bool): Whether this runs inside ``mx.compile``. Default: ``False``.
 
     Returns:
         list[array]: Shaped and typed like ``held``; zero-size where this rank holds nothing.
     """
     n = group.size()
     out = [mx.zeros(h.shape, h.dtype) for h in held]
+    grads, done = list(grads), []
     for b in reversed(plan.buckets):
+        # On the CPU, this bucket's buffers only once the last one's are freed.
+        for s, g in zip(b.slots, after_queue([grads[s.index] for s in b.slots], traced, done)):
+            grads[s.index] = g
+        done = []
         for s, g in collectives.reduce_bucket(b, grads, group, method=method, order=order,
                                               stream=stream):
             dtype = held[s.index].dtype
             out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" \
                 else (g / n).astype(dtype)
+            done.append(out[s.index])
     if plan.buckets:
         out[0] = order.settle(out[0])
     return out
@@ -133,7 +140,8 @@ def make_gather(plan: Plan, group, method: str, traced: bool, stream=None,
     def gather_vjp(primals, cotangents, _):
         held, deps = primals
         order = CollectiveOrder(group, traced)
-        grads = reduce_buckets(grad_plan, cotangents, held, group, rank, method, order, stream)
+        grads = reduce_buckets(grad_plan, cotangents, held, group, rank, method, order, stream,
+                               traced)
         # What the layers before this module need of their backward pass
         # waits for the reduced gradients (see the module docstring).
         zero = mx.depends(mx.zeros((), mx.float32), paced(grads, traced))
