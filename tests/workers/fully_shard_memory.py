@@ -1,6 +1,6 @@
 """How long a block's gathered parameters live: peak memory of one forward and backward pass.
 
-Usage: fully_shard_memory.py LAYERS WIDTH [ahead|once]
+Usage: fully_shard_memory.py LAYERS WIDTH [ahead|once|compiled]
 
 LAYERS Linear blocks, each wrapped with reshard_after_forward, then the
 root. MLX's CPU evaluation allocates ahead of the thread that computes, so
@@ -12,9 +12,11 @@ no limit: the peak then also holds what MLX allocated ahead, which
 mlx_fsdp.pace bounds. With ``once`` the model is wrapped once, one block per
 bucket, with no limit: every block's full gradient arrives at the one VJP,
 and what MLX allocates ahead is each bucket's reduce-scatter buffers.
+``compiled`` is ``ahead`` under ``mx.compile``, as mlx-lm's trainer runs it.
 """
 
 import sys
+from functools import partial
 
 from common import report
 
@@ -36,6 +38,11 @@ model = mlx_fsdp.fully_shard(model, communication_size=block if once else None)
 mx.eval(model.parameters())
 x = mx.random.normal((4, width), key=mx.random.key(group.rank()))
 vg = nn.value_and_grad(model, lambda m, x: (m(x) ** 2).mean())
+if sys.argv[3:] == ["compiled"]:
+    eager = vg
+    compiled = partial(mx.compile, inputs=model.state, outputs=model.state)(
+        lambda x: eager(model, x))
+    vg = lambda model, x: compiled(x)  # noqa: E731
 if not sys.argv[3:]:
     mx.set_memory_limit(1 << 20)
 peaks = []
