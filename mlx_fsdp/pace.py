@@ -68,11 +68,11 @@ def paced(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:
         return list(arrays)
     empty = mx.concatenate([empty_of(a).astype(mx.float32) for a in arrays])
     tick = mx.depends(mx.zeros((1, 1), mx.float32), [empty])
-    one = mx.ones((1, 1), mx.float32)
+    one = mx.ones((1, 1), mx.float32) if traced else 1
     for _ in range(QUEUE_DEPTH):
         # One queued operation on one element; inside mx.compile a product,
         # which is not fused with the next as an addition would be.
-        tick = tick @ one if traced else tick + 1
+        tick = tick @ one if traced else tick + one
     return [tick[:0]]
 
 

@@ -257,14 +257,14 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         communication_size = default_communication_size(mode, device)
     flat, param_bytes = shape_only(model, dtype)
     master = None if master_dtype is None else getattr(mx, master_dtype)
-    if mode == "ddp":
-        local = "none" if accumulation == "none" else "local"
-        ranks = [ddp_memory(optimizer, flat, param_bytes, world_size,
-                            communication_size, master, local)]
-        return [replace(r, activations=activations) for r in ranks]
-    if mode == "fsdp":
-        ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size, master,
-                            accumulation, reduce_scatter, use_fused_updates(device))
+    if mode in ("ddp", "fsdp"):  # activations on top; fully_shard weighs them itself
+        if mode == "ddp":
+            local = "none" if accumulation == "none" else "local"
+            ranks = [ddp_memory(optimizer, flat, param_bytes, world_size,
+                                communication_size, master, local)]
+        else:
+            ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
+                                master, accumulation, reduce_scatter, use_fused_updates(device))
         return [replace(r, activations=activations) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
