@@ -57,6 +57,10 @@ class CollectiveOrder:
         """
         return x if self._last is None else mx.depends(x, self._last)
 
+    def follow(self, token: mx.array) -> None:
+        """Make the next collective's input wait for ``token`` before anything else it reads."""
+        self._last = token
+
     def settle(self, x: mx.array) -> mx.array:
         """``x``, made to evaluate the token kept for the group's next step.
 
