@@ -23,6 +23,9 @@ them): its peak is in the backward pass, where the gathered parameters live.
 Each rank's parameter and gradient bytes are checked too; the planner's
 activations for these models (not Llama-shaped) are measured on the unwrapped
 model's forward and backward pass (``activations_of``) and given to it.
+With ``--compile`` the fully sharded step is compiled whole with
+``mx.compile``, its model and optimizer state as inputs and outputs, as
+mlx-lm's trainer (and so ``python -m mlx_fsdp.lora``) runs it.
 
 Models: the MLP of ``bench_step.py`` and the byte-level GPT of
 ``examples/lm.py``. Rank 0 prints one markdown row per point.
@@ -41,6 +44,7 @@ import gc
 import json
 import os
 import sys
+from functools import partial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -139,6 +143,13 @@ def wrapper(optimizer, mode: str, args, group):
     return wrap(optimizer, **kwargs)
 
 
+def _step(model, opt, value_and_grad):
+    """One step from ``value_and_grad(model)``'s gradients; returns a token to evaluate."""
+    _, grads = value_and_grad(model)
+    opt.update(model, grads)
+    return mx.zeros(())
+
+
 def measure(model_name: str, optimizer: str, mode: str, args, group,
             reshard: bool = False) -> dict:
     """One phase: the real step's bytes and peak, and the planner's prediction.
@@ -176,6 +187,12 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     mine = predicted[group.rank() if mode != "ddp" else 0]
     per_step = 1 if args.accumulation == "none" else 2
     peak = 0
+    if fully:  # shaped like what the rank holds (the contract fully_shard keeps)
+        grad_bytes = tree_bytes(model.trainable_parameters())
+    step = partial(_step, model, opt, value_and_grad if fully else (lambda m: (None, fixed)))
+    if fully and args.compile:
+        state = [model.state, opt.state]
+        step = partial(mx.compile, inputs=state, outputs=state)(step)
     for call in range(per_step * (1 + args.repeat)):
         measured = call >= per_step and (call + 1) % per_step == 0
         if measured:
@@ -183,11 +200,9 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
-        grads = value_and_grad(model)[1] if fully else fixed
-        grad_bytes = tree_bytes(grads)  # shapes only: evaluates nothing
-        opt.update(model, grads)
-        del grads
-        mx.eval(model.parameters(), opt.state)
+        if not fully:
+            grad_bytes = tree_bytes(fixed)
+        mx.eval(step(), model.parameters(), opt.state)
         if measured:
             peak = max(peak, mx.get_peak_memory())
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
@@ -199,7 +214,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     gc.collect()
     mx.clear_cache()
     out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size(),
-           "reshard_after_forward": reshard}
+           "reshard_after_forward": reshard, "compiled": fully and args.compile}
     for i, name in enumerate(("state", "masters", "accumulation", "parameters", "gradients")):
         out[name + "_measured"] = [r[2 * i] for r in rows]
         out[name + "_predicted"] = [r[2 * i + 1] for r in rows]
@@ -223,6 +238,9 @@ def parse_args(argv=None):
     p.add_argument("--reshard-after-forward", nargs="+", choices=("off", "on"), default=["off"],
                    help="fully_shard's reshard_after_forward for the blocks; both: off on "
                    "(default off)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the fully sharded step whole with mx.compile, as mlx-lm's "
+                   "trainer does (fully_shard points only)")
     p.add_argument("--memory-limit", type=parse_size,
                    help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
@@ -240,7 +258,11 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3,
                    help="steps measured after the first; the peak is the highest (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compile and args.modes != ["fully_shard"]:
+        p.error("--compile measures whole steps: pass --modes fully_shard (the other modes' "
+                "compiled update: MLX_FSDP_FUSED_UPDATE=1)")
+    return args
 
 
 def main(argv=None):
@@ -256,9 +278,10 @@ def main(argv=None):
     size = args.communication_size
     buckets = "default buckets" if size is None else f"buckets {size / MiB:g} MiB"
     limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit / MiB:g} MiB"
+    compiled = ", compiled" if args.compile else ""
     print(f"N={group.size()}, {args.dtype}, {buckets}, accumulation {args.accumulation}, MLP "
           f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}, fully_shard wraps "
-          f"{args.wrap}{limit}; bytes of rank 0, equal = on every rank (fully_shard: "
+          f"{args.wrap}{compiled}{limit}; bytes of rank 0, equal = on every rank (fully_shard: "
           "parameters and gradients too); peak: max over ranks")
     print("| model | optimizer | mode | state B | masters B | accumulated B | equal | "
           "peak predicted MiB | peak measured MiB | measured / predicted |")

@@ -7,7 +7,8 @@ earlier on one rank only). A :class:`CollectiveOrder` therefore chains each
 collective's input after the previous collective's output.
 """
 
-from typing import Optional
+import atexit
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -33,15 +34,28 @@ class CollectiveOrder:
     one bucket's buffers are freed before the next bucket's exist. An input
     that is a view (a lone array) costs nothing to compute early and is
     chained with ``mx.depends``.
+
+    Inside ``mx.compile`` (``traced``) the chain spans the trace: the
+    fully sharded modules' gathers and reduce-scatters and the step's
+    collectives follow one another, as they do eagerly. The outermost fully
+    sharded call of a trace starts its chain (:func:`start_trace`); the
+    step joins it only if the chain belongs to its own parameters, so that
+    a token from another trace is never used.
     """
 
-    def __init__(self, group=None, traced: bool = False):
+    def __init__(self, group=None, traced: bool = False, params: Optional[Sequence] = None):
         # A step starts after the last collective of the group's previous
         # step, so that two steps built before one evaluation (two models, or
         # async_eval of one step while the next is built) stay in order too.
-        # Traced values never cross from one trace (or graph) to another.
         self._key = None if group is None or traced else id(group)
-        self._last: Optional[mx.array] = _last_of_group.get(self._key)
+        self._traced = traced
+        self._trace = None
+        if traced and group is not None:
+            entry = _last_of_trace.get(id(group))
+            if entry is not None and (params is None or any(entry.marker is p for p in params)):
+                self._trace = entry
+        self._last: Optional[mx.array] = self._trace.token if self._trace is not None \
+            else _last_of_group.get(self._key)
 
     def join(self, parts, dtype) -> mx.array:
         """Concatenate ``parts`` into a collective's input, after the last collective."""
@@ -61,6 +75,13 @@ class CollectiveOrder:
         """Make the next collective's input wait for ``token`` before anything else it reads."""
         self._last = token
 
+    def after(self, arrays: List[mx.array]) -> List[mx.array]:
+        """Inside ``mx.compile``, ``arrays``, each to be used only after the last
+        collective built here (eagerly the chain already orders them: unchanged)."""
+        if not self._traced or self._last is None or not arrays:
+            return list(arrays)
+        return mx.depends(list(arrays), [empty_of(self._last)])
+
     def settle(self, x: mx.array) -> mx.array:
         """``x``, made to evaluate the token kept for the group's next step.
 
@@ -76,10 +97,40 @@ class CollectiveOrder:
         self._last = output
         if self._key is not None:
             _last_of_group[self._key] = empty_of(output)
+        elif self._trace is not None:
+            self._trace.token = empty_of(output)
         return output
+
+
+class _Trace:
+    """The last collective a group's trace built, and a parameter of that trace."""
+
+    def __init__(self, marker: mx.array):
+        self.marker: mx.array = marker
+        self.token: Optional[mx.array] = None
+
+
+def start_trace(group, marker: mx.array) -> None:
+    """Start the chain of ``group``'s collectives in a new ``mx.compile`` trace.
+
+    Args:
+        group (mlx.core.distributed.Group): The group.
+        marker (array): A parameter as this trace passes it in (traced): the
+            step joins the chain only if it updates that parameter.
+    """
+    _last_of_trace[id(group)] = _Trace(marker)
+
+
+def end_trace(group) -> None:
+    """Forget ``group``'s chain in the current trace: a traced value must not
+    outlive its trace (held at exit, it made MPI ranks exit improperly)."""
+    _last_of_trace.pop(id(group), None)
 
 
 # The last collective each group's steps built (an empty slice of it: the
 # dependency, not the data). Keyed by id(group), as the probe cache of
 # mlx_fsdp.collectives is.
 _last_of_group: dict = {}
+# The same inside mx.compile, with the trace it belongs to (_Trace).
+_last_of_trace: dict = {}
+atexit.register(_last_of_trace.clear)

@@ -26,7 +26,7 @@ from ._trees import like, match
 from .fully_sharded.model import step_plan
 from .placement import sub_optimizers
 from .plain import apply_optimizer
-from .order import CollectiveOrder
+from .order import CollectiveOrder, end_trace
 from .plan import Plan
 
 
@@ -79,7 +79,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     # -- reduce-scatter each bucket, the last one first: in the backward pass
     #    the last layers' gradients are ready first
     method = collectives.reduce_scatter_method(group)
-    order = CollectiveOrder(group, traced)
+    # Inside mx.compile, after the fully sharded modules' collectives of the
+    # same trace (a chain that starts at one of these parameters).
+    order = CollectiveOrder(group, traced, params)
     if opts.communication_stream is None and mx.default_device() == mx.cpu and len(plan.buckets) > 1:
         # One CPU stream runs compute and collectives in turn, so there a
         # collective inside the backward pass overlaps nothing and makes the
@@ -87,6 +89,10 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         # gradient (3.3M GPT, ring N=2, 4 MiB buckets: 0.98-1.01x DDP's step
         # instead of 1.09-1.16x).
         order.ran(mx.concatenate([layout.empty_of(g) for g in reversed(grads)]))
+    # Inside mx.compile only what the outputs depend on runs: a gradient this
+    # rank holds none of (an array an owner elsewhere keeps whole) would drop,
+    # on this rank alone, the collectives that made it (see the end).
+    every = [layout.empty_of(g) for g in grads] if traced else []
     held = {}  # path -> summed gradient of what this rank holds of it
     averaged = set()  # paths whose gradient the model averaged over the group
     for bucket in reversed(plan.buckets):
@@ -142,6 +148,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     if plan.buckets:
         last = plan.buckets[-1].slots[-1].index
         out[last] = order.settle(out[last])
+    if traced:
+        out = mx.depends(out, every)
+        end_trace(group)
     return like(gradients, out), norm, plan
 
 

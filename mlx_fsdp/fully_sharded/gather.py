@@ -108,6 +108,12 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
             out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" \
                 else (g / n).astype(dtype)
             done.append(out[s.index])
+    # Inside mx.compile every output follows the module's last collective,
+    # those of arrays this rank holds none of too: compile runs only what the
+    # outputs need, and with owner placement a rank that owns nothing of a
+    # module dropped its reduce-scatters while its peers ran them (silently
+    # wrong gradients on ring, a crash on MPI).
+    out = order.after(out)
     if plan.buckets:
         out[0] = order.settle(out[0])
     return out

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import collectives, columns, control, ending, layout, watchdog
 from ..accumulate import is_traced
-from ..order import CollectiveOrder
+from ..order import CollectiveOrder, start_trace
 from ..plan import Plan
 from ..rows import row_size
 from .gather import gather_buckets, make_gather
@@ -26,6 +26,8 @@ from .remat import remat
 
 #: Every live FullyShardedModule, so that a step can tell shards from full arrays.
 LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+#: Fully sharded calls under way (nested modules run inside their parent's).
+_CALLS = [0]
 
 
 def _own(module, key, value):
@@ -76,7 +78,10 @@ class FullyShardedModule(nn.Module):
             control.agree(group, "fully_shard", {"plan": plan.fingerprint,
                                                  "reshard_after_forward": reshard_after_forward},
                           stream=communication_stream,
-                          hint="Wrap the same modules with the same arguments on every rank.")
+                          hint="Wrap the same modules with the same arguments on every rank. "
+                          "If an earlier fully sharded model was dropped, call gc.collect() "
+                          "before wrapping: owners continue the balance of the modules still "
+                          "alive, and the ranks may not have freed the same ones yet.")
         ending.register(group)
         held = _cut(plan, [a for _, a in flat], rank)
         module.update(tree_unflatten([(p, h) for (p, _), h in zip(flat, held)]))
@@ -130,9 +135,11 @@ class FullyShardedModule(nn.Module):
         # Inside mx.compile the parameters are placeholders (evaluating one
         # fails); outside it they are evaluated, so asking costs nothing.
         own = dict(tree_flatten(self.module.filter_and_map(_own)))
+        traced = is_traced(own[self._paths[0]])
+        if traced and not _CALLS[0]:  # the outermost call of a trace
+            start_trace(self.group, own[self._paths[0]])
         parts = self._trainable_plan(frozenset(
-            p for p, _ in tree_flatten(self.module.filter_and_map(_own_trainable))),
-            is_traced(own[self._paths[0]]))
+            p for p, _ in tree_flatten(self.module.filter_and_map(_own_trainable))), traced)
 
         def body(params, *args, **kwargs):
             saved = None
@@ -152,13 +159,18 @@ class FullyShardedModule(nn.Module):
                 if saved is not None:
                     self.module.update(saved)
 
-        if self.reshard_after_forward:
-            # Free the gathered parameters after the forward pass; the backward
-            # pass runs ``body`` again (gathering again). Every trainable array
-            # below this module (those of wrapped modules inside it too) is an
-            # input, so that the recomputation passes gradients to all of them.
-            return remat(body, self.module.trainable_parameters(), *args, **kwargs)
-        return body(None, *args, **kwargs)
+        _CALLS[0] += 1
+        try:
+            if self.reshard_after_forward:
+                # Free the gathered parameters after the forward pass; the
+                # backward pass runs ``body`` again (gathering again). Every
+                # trainable array below this module (those of wrapped modules
+                # inside it too) is an input, so that the recomputation passes
+                # gradients to all of them.
+                return remat(body, self.module.trainable_parameters(), *args, **kwargs)
+            return body(None, *args, **kwargs)
+        finally:
+            _CALLS[0] -= 1
 
     def __call__(self, *args, **kwargs):
         return self._gathered_call(self.module, *args, **kwargs)

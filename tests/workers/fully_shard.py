@@ -2,16 +2,19 @@
 
 Usage: fully_shard.py STEPS CONFIG...
 
-CONFIG is ``optimizer:wrap:reshard:max_norm:k:accumulation:master:bf16``:
+CONFIG is ``optimizer:wrap:reshard:max_norm:k:accumulation:master:bf16[:compiled]``:
 ``wrap`` is ``blocks`` (every layer, then the root), ``root`` (the whole
 model once) or ``part`` (two layers only: the rest takes the sharded step's
-own buckets); ``bf16`` gives the model a bfloat16 layer. With accumulation, a
+own buckets); ``bf16`` gives the model a bfloat16 layer; ``compiled`` (``1``)
+runs the fully sharded step inside ``mx.compile``, its model and optimizer
+state as inputs and outputs, as mlx-lm's trainer does. With accumulation, a
 bfloat16 gradient is summed in another order than DDP's (each micro-batch
 reduced first), so those configurations run in float32. Both runs see the same local batches; ``ddp_step`` is
 ``mlx.nn.average_gradients`` plus the plain optimizer.
 """
 
 import sys
+from functools import partial
 
 from common import OPTIMIZERS, batch, loss_fn, make_model, max_diff, report
 
@@ -40,7 +43,7 @@ def wrap(model, how: str, reshard: bool, placement):
 
 
 def run(config: str, steps: int, group):
-    name, how, reshard, max_norm, k, accumulation, master, bf16 = config.split(":")
+    name, how, reshard, max_norm, k, accumulation, master, bf16, *compiled = config.split(":")
     max_norm = None if float(max_norm) < 0 else float(max_norm)
     k, master = int(k), mx.float32 if master == "1" else None
     ref = make_model(bf16=bf16 == "1")
@@ -52,11 +55,19 @@ def run(config: str, steps: int, group):
     ddp = mlx_fsdp.ddp_step(MAKERS[name](), max_norm=max_norm, grad_accumulation_steps=k,
                             master_dtype=master)
     vg, ref_vg = nn.value_and_grad(model, loss_fn), nn.value_and_grad(ref, loss_fn)
+
+    def train(x, y):
+        loss, grads = vg(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    if compiled == ["1"]:
+        state = [model.state, opt.state]
+        train = partial(mx.compile, inputs=state, outputs=state)(train)
     loss_diff = 0.0
     for step in range(steps * k):
         x, y = batch(step, group.rank())
-        loss, grads = vg(model, x, y)
-        opt.update(model, grads)
+        loss = train(x, y)
         mx.eval(loss, model.parameters(), opt.state)
         ref_loss, ref_grads = ref_vg(ref, x, y)
         ddp.update(ref, ref_grads)
