@@ -105,6 +105,10 @@ def parse_args(argv=None):
     g.add_argument("--reshard-after-forward", action="store_true",
                    help="the blocks' reshard_after_forward: one block's parameters gathered "
                    "at a time, not all of them between the forward and the backward pass")
+    g.add_argument("--compiled", action="store_true",
+                   help="the step is compiled whole with mx.compile, as mlx-lm's trainer "
+                   "runs it: the update's temporaries and the activations both counted, "
+                   "and no block resharded (as measured on the CPU)")
     g = p.add_argument_group("output")
     g.add_argument("--memory", type=byte_size,
                    help="memory per rank, e.g. 64GB or 64GiB: say what fits, and how many "
@@ -177,7 +181,8 @@ def options_of(args) -> dict:
                 accumulation=args.accumulation, device=args.device,
                 reduce_scatter=BACKENDS[args.backend],
                 master_dtype=None if args.master_dtype == "none" else args.master_dtype,
-                wrap=args.wrap, reshard_after_forward=args.reshard_after_forward)
+                wrap=args.wrap, reshard_after_forward=args.reshard_after_forward,
+                compiled=args.compiled)
 
 
 def plan(model: shapes.Model, args):

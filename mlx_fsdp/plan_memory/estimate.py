@@ -142,11 +142,13 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False,
-                 device: str = "cpu", activations: int = 0) -> List[RankMemory]:
+                 device: str = "cpu", activations: int = 0,
+                 compiled: bool = False) -> List[RankMemory]:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
     (a quantized layer's scales) included, which ``fully_shard`` shards too.
+    ``compiled``: see :func:`estimate_ranks`.
     """
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
@@ -157,7 +159,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
-                      wrap, reshard_after_forward, method, device)
+                      wrap, reshard_after_forward and not compiled, method, device)
     # Rank 0 holds the most rows of every array: only owners make another rank fuller.
     owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
     out = []
@@ -169,7 +171,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
         acts = activations
-        if fully.phases_apart(device):  # the update waits for the whole backward pass
+        if fully.phases_apart(device) and not compiled:  # the update waits for the backward
             temps, acts = (temps, 0) if temps >= acts else (0, acts)
         backward = RankMemory(**common, communication=units.communication, new_parameters=0,
                               gathered=units.gathered, full_gradients=units.full_gradients,
@@ -196,6 +198,7 @@ def estimate_ranks(
     reshard_after_forward: bool = False,
     every_rank: bool = False,
     activations: int = 0,
+    compiled: bool = False,
 ) -> List[RankMemory]:
     """The bytes every rank holds in one configuration.
 
@@ -228,6 +231,11 @@ def estimate_ranks(
         activations (int): Bytes of one rank's forward and backward pass
             (:func:`mlx_fsdp.plan_memory.activations.activation_bytes`).
             Default: ``0``.
+        compiled (bool): ``fully_shard``: the step is compiled whole with
+            ``mx.compile`` (mlx-lm's trainer). Measured so on the CPU, the
+            update's temporaries then meet the activations, and resharding
+            saved nothing on an MLP: both are counted, and no block is
+            counted resharded. Default: ``False``.
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
@@ -245,12 +253,12 @@ def estimate_ranks(
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-                  activations)
+                  activations, compiled)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-           activations):
+           activations, compiled):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
@@ -272,4 +280,4 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
-                        reshard_after_forward, every_rank, device, activations)
+                        reshard_after_forward, every_rank, device, activations, compiled)

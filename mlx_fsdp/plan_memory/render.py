@@ -36,13 +36,16 @@ def header_tail(args) -> list:
         how = ("every block (the module at a path's first integer, e.g. model.layers.3) "
                "and the rest of the model" if args.wrap == "blocks" else "the whole model once")
         out.append(f"fully_shard: {how}; reshard_after_forward "
-                   f"{'on' if args.reshard_after_forward else 'off'}")
+                   f"{'on' if args.reshard_after_forward else 'off'}"
+                   + ("; the step compiled whole (counted not resharded)"
+                      if getattr(args, "compiled", False) else ""))
     out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step"
                + (" or fully_shard's forward and backward pass (gathered, full grads), "
                   "whichever is fuller," if "fully_shard" in args.mode else ",")
                + " temporaries (temps) and activations (acts) included"
                + (" (fully_shard: only the larger, as the update waits for the backward pass "
-                  "here)" if "fully_shard" in args.mode and phases_apart(args.device) else "")
+                  "here)" if "fully_shard" in args.mode and phases_apart(args.device)
+                  and not getattr(args, "compiled", False) else "")
                + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
                   + (" with mx.checkpoint per block" if args.grad_checkpoint else "")
