@@ -83,6 +83,8 @@ class FullyShardedModule(nn.Module):
                           "before wrapping: owners continue the balance of the modules still "
                           "alive, and the ranks may not have freed the same ones yet.")
         ending.register(group)
+        # Read from the whole arrays: once cut, a weight this rank owns none of is 1-D here.
+        transposed = columns.linear_weights(module, trainable)
         held = _cut(plan, [a for _, a in flat], rank)
         module.update(tree_unflatten([(p, h) for (p, _), h in zip(flat, held)]))
         mx.eval(held)
@@ -92,7 +94,7 @@ class FullyShardedModule(nn.Module):
             reshard_after_forward=reshard_after_forward, communication_stream=communication_stream,
             _paths=[p for p, _ in flat], _dtypes=[a.dtype for _, a in flat],
             _method=collectives.reduce_scatter_method(group), _gathers={}, _dog=dog,
-            _columns=columns.linear_weights(module, trainable))
+            _columns=transposed)
         for k, v in settings.items():  # plain attributes, not children or parameters
             object.__setattr__(self, k, v)
         LIVE[id(self)] = self
