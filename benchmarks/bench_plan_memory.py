@@ -188,8 +188,8 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     mine = predicted[group.rank() if mode != "ddp" else 0]
     per_step = 1 if args.accumulation == "none" else 2
     peak = 0
-    if fully:  # shaped like what the rank holds (the contract fully_shard keeps)
-        grad_bytes = tree_bytes(model.trainable_parameters())
+    # Fully sharded gradients are shaped like what the rank holds (fully_shard's contract).
+    grad_bytes = tree_bytes(model.trainable_parameters() if fully else fixed)
     step = partial(_step, model, opt, value_and_grad if fully else (lambda m: (None, fixed)))
     if fully and args.compile:
         state = [model.state, opt.state]
@@ -201,8 +201,6 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
-        if not fully:
-            grad_bytes = tree_bytes(fixed)
         mx.eval(step(), model.parameters(), opt.state)
         if measured:
             peak = max(peak, mx.get_peak_memory())

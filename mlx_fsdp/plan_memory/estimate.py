@@ -171,7 +171,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
         acts = activations
-        if fully.phases_apart(device) and not compiled:  # the update waits for the backward
+        if fully.phases_apart(device, compiled):  # the update waits for the backward pass
             temps, acts = (temps, 0) if temps >= acts else (0, acts)
         backward = RankMemory(**common, communication=units.communication, new_parameters=0,
                               gathered=units.gathered, full_gradients=units.full_gradients,

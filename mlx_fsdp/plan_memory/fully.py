@@ -68,14 +68,15 @@ WRAPS = ("blocks", "model")
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
 
 
-def phases_apart(device: str) -> bool:
+def phases_apart(device: str, compiled: bool = False) -> bool:
     """Whether the update's temporaries and the pass's activations are never alive together.
 
     On the CPU the step's update waits for the whole backward pass
     (:func:`mlx_fsdp.pace.after_queue`), so only the larger of the two is
-    counted; on a GPU, unpaced, both are.
+    counted; on a GPU, unpaced, both are, and so for a step compiled whole
+    (measured on the CPU: there they met).
     """
-    return device == "cpu" and pace.QUEUE_DEPTH > 0
+    return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:

@@ -44,8 +44,8 @@ def header_tail(args) -> list:
                   "whichever is fuller," if "fully_shard" in args.mode else ",")
                + " temporaries (temps) and activations (acts) included"
                + (" (fully_shard: only the larger, as the update waits for the backward pass "
-                  "here)" if "fully_shard" in args.mode and phases_apart(args.device)
-                  and not getattr(args, "compiled", False) else "")
+                  "here)" if "fully_shard" in args.mode
+                  and phases_apart(args.device, getattr(args, "compiled", False)) else "")
                + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
                   + (" with mx.checkpoint per block" if args.grad_checkpoint else "")
