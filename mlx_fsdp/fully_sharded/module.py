@@ -28,6 +28,9 @@ from .remat import remat
 LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 #: Fully sharded calls under way (nested modules run inside their parent's).
 _CALLS = [0]
+#: Group size -> what each rank owns of the modules wrapped so far in the
+#: model being wrapped (see ``FullyShardedModule.__init__``).
+_BALANCE: dict = {}
 
 
 def _own(module, key, value):
@@ -64,24 +67,24 @@ class FullyShardedModule(nn.Module):
         trainable = {p for p, _ in tree_flatten(module.filter_and_map(_own_trainable))}
         flat = [(p, a) for p, a in tree_flatten(module.filter_and_map(_own))
                 if mx.issubdtype(a.dtype, mx.floating)]
-        # Owners continue the balance of the fully sharded modules alive in
-        # this process (every block's largest matrix would otherwise go to
-        # rank 0); every rank wraps the same modules, so they agree.
-        loads = ()
-        for m in list(LIVE.values()):
-            if m.group.size() == n:
-                loads = owned_loads(m.plan, loads)
+        # Owners continue the balance of the modules wrapped before this one
+        # in the same model (every block's largest matrix would otherwise go
+        # to rank 0). The tally follows the wrapping calls, which every rank
+        # makes alike, not the modules still alive: a dropped model is freed
+        # whenever each rank collects it, and the ranks' plans differed. A
+        # module that holds wrapped ones (the root) ends a model.
+        loads = _BALANCE.get(n, ())
         plan = module_plan(flat, trainable, placement, n, communication_size, compute_dtype,
                            reduce_dtype, loads)
+        root = any(isinstance(m, FullyShardedModule) for m in module.modules())
         dog = watchdog.default(group)
         with watchdog.watch(dog, f"fully_shard({type(module).__name__})"):
             control.agree(group, "fully_shard", {"plan": plan.fingerprint,
                                                  "reshard_after_forward": reshard_after_forward},
                           stream=communication_stream,
-                          hint="Wrap the same modules with the same arguments on every rank. "
-                          "If an earlier fully sharded model was dropped, call gc.collect() "
-                          "before wrapping: owners continue the balance of the modules still "
-                          "alive, and the ranks may not have freed the same ones yet.")
+                          hint="Wrap the same modules, in the same order, with the same "
+                          "arguments on every rank.")
+        _BALANCE[n] = () if root else owned_loads(plan, loads)
         ending.register(group)
         # Read from the whole arrays: once cut, a weight this rank owns none of is 1-D here.
         transposed = columns.linear_weights(module, trainable)

@@ -2,17 +2,20 @@
 
 Usage: fully_shard.py STEPS CONFIG...
 
-CONFIG is ``optimizer:wrap:reshard:max_norm:k:accumulation:master:bf16[:compiled]``:
+CONFIG is ``optimizer:wrap:reshard:max_norm:k:accumulation:master:bf16[:compiled[:stale]]``:
 ``wrap`` is ``blocks`` (every layer, then the root), ``root`` (the whole
 model once) or ``part`` (two layers only: the rest takes the sharded step's
 own buckets); ``bf16`` gives the model a bfloat16 layer; ``compiled`` (``1``)
 runs the fully sharded step inside ``mx.compile``, its model and optimizer
-state as inputs and outputs, as mlx-lm's trainer does. With accumulation, a
+state as inputs and outputs, as mlx-lm's trainer does; ``stale`` (``1``)
+first wraps another model the same way and drops it on every rank but rank
+0, where it stays alive. With accumulation, a
 bfloat16 gradient is summed in another order than DDP's (each micro-batch
 reduced first), so those configurations run in float32. Both runs see the same local batches; ``ddp_step`` is
 ``mlx.nn.average_gradients`` plus the plain optimizer.
 """
 
+import gc
 import sys
 from functools import partial
 
@@ -43,12 +46,18 @@ def wrap(model, how: str, reshard: bool, placement):
 
 
 def run(config: str, steps: int, group):
-    name, how, reshard, max_norm, k, accumulation, master, bf16, *compiled = config.split(":")
+    name, how, reshard, max_norm, k, accumulation, master, bf16, *rest = config.split(":")
+    compiled, stale = rest[:1] == ["1"], rest[1:2] == ["1"]
     max_norm = None if float(max_norm) < 0 else float(max_norm)
     k, master = int(k), mx.float32 if master == "1" else None
     ref = make_model(bf16=bf16 == "1")
     inner = MAKERS[name]()
     placement = inner if name in ("muon", "adafactor") else None
+    if stale:  # as if its last reference lived on there a while longer
+        earlier = wrap(make_model(bf16=bf16 == "1"), how, reshard == "1", placement)
+        kept = earlier if group.rank() == 0 else None  # noqa: F841 (alive until the end)
+        del earlier
+        gc.collect()
     model = wrap(make_model(bf16=bf16 == "1"), how, reshard == "1", placement)
     opt = mlx_fsdp.fsdp_step(inner, max_norm=max_norm, grad_accumulation_steps=k,
                              accumulation=accumulation, master_dtype=master)
@@ -61,7 +70,7 @@ def run(config: str, steps: int, group):
         opt.update(model, grads)
         return loss
 
-    if compiled == ["1"]:
+    if compiled:
         state = [model.state, opt.state]
         train = partial(mx.compile, inputs=state, outputs=state)(train)
     loss_diff = 0.0
