@@ -22,8 +22,7 @@ it took 2.2x the time of all_sum for a 32 MB bucket, and on MPI its sends must
 run on a second stream (a second thread), which Open MPI without
 MPI_THREAD_MULTIPLE answered with a segfault at N=3.
 
-The order in which a step's collectives run is kept by
-:class:`mlx_fsdp.order.CollectiveOrder`.
+A bucket's collectives, built from these, are in :mod:`mlx_fsdp.bucketed`.
 """
 
 import os
@@ -31,8 +30,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import columns, layout
-from .order import CollectiveOrder
 
 #: Ways to reduce-scatter, in the order :func:`reduce_scatter_method` prefers.
 METHODS = ("native", "exchange", "all_sum")
@@ -141,91 +138,6 @@ def reduce_scatter(vector: mx.array, group, *, method: str = "native",
     if method == "all_sum":
         return mx.distributed.all_sum(vector, group=group, stream=stream)[rank * cols:(rank + 1) * cols]
     raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}.")
-
-
-def reduce_bucket(bucket, grads, group, *, method: str, order: CollectiveOrder,
-                  stream: Optional[mx.Stream] = None, dp_group=None) -> list:
-    """Reduce-scatter one bucket: the summed gradient of what this rank holds.
-
-    Args:
-        bucket (Bucket): The bucket (see :mod:`mlx_fsdp.plan`).
-        grads (list[array]): This rank's full gradients, indexed by ``Slot.index``.
-        group (mlx.core.distributed.Group): The shard group.
-        method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
-        order (CollectiveOrder): Chains the collectives of the step.
-        stream (mlx.core.Stream, optional): Stream for the communication.
-            Default: ``None``.
-        dp_group (mlx.core.distributed.Group, optional): Replicas to all-sum
-            over as well (hybrid sharding). Default: ``None``.
-
-    Returns:
-        list: ``(slot, summed gradient)`` for what this rank holds of each
-        slot (see :func:`mlx_fsdp.layout.held`), summed over all ranks.
-    """
-    n, rank = group.size(), group.rank()
-    dtype = getattr(mx, bucket.dtype)
-    # Empty slices of every gradient of the bucket, last array first: the
-    # input then waits for all of them, computed in the same order on every
-    # rank (the backward pass's own order). Without them each rank computes
-    # the part it sends first, and a rank that sends the first layers' half
-    # runs nearly the whole backward pass while its peer waits, then waits in
-    # turn: the one-graph step ran 1.24x DDP's time on a 12.9M GPT on the CPU.
-    ready = [layout.empty_of(grads[s.index]) for s in reversed(bucket.slots)] \
-        if len(bucket.slots) > 1 else []
-    if method == "exchange" and n == 2:
-        # Send only the half the peer keeps; add what comes back to this rank's
-        # own pieces one by one, so that neither the whole bucket nor this
-        # rank's half is ever copied into a vector of its own.
-        sent = order.join(ready + layout.range_parts(bucket, grads, 1 - rank, dtype), dtype)
-        got = exchange(sent, group, stream=stream)
-        # ``theirs + own``, not ``own + theirs`` (the same sum, bit for bit):
-        # with the gradient listed first, MLX ran part of the backward pass
-        # out of the order the send sets, and one rank of two peaked 1.3 MiB
-        # higher on the main job's GPT (0.13M parameters).
-        held = [(s, columns.add(s, theirs, own)) for (s, own), (_, theirs) in
-                zip(layout.held_of(bucket, grads, rank), layout.held(bucket, got, rank))]
-        # Until the sums are computed, this rank's own pieces (views) keep its
-        # whole local gradients alive, and the received half stays too. Chaining the next collective after the sums computes
-        # them now, so only the reduced half outlives the bucket.
-        order.ran(mx.concatenate([layout.empty_of(got)] + [layout.empty_of(a) for _, a in held]))
-    else:
-        vector = order.join(ready + layout.pack_parts(bucket, grads, n), dtype)
-        shard = reduce_scatter(vector, group, method=method, stream=stream)
-        if method == "all_sum" and n > 1:
-            # A slice of the all-sum would keep all N shards of it alive until
-            # the update; a copy of this rank's, made now, frees the rest
-            # (1.1M MLP, MPI N=4: peak 0.74x -> 0.70x DDP's).
-            shard = shard * 1
-        held = layout.held(bucket, order.ran(shard), rank)
-    return sum_over_replicas(bucket, held, rank, dp_group, order=order, stream=stream)
-
-
-def sum_over_replicas(bucket, held: list, rank: int, dp_group, *, order: CollectiveOrder,
-                      stream: Optional[mx.Stream] = None) -> list:
-    """``held`` summed over the replica group of hybrid sharding (one all-sum).
-
-    Args:
-        bucket (Bucket): The bucket.
-        held (list): ``(slot, array)`` of what this rank holds (see
-            :func:`mlx_fsdp.layout.held`).
-        rank (int): This rank in the shard group.
-        dp_group (mlx.core.distributed.Group, optional): The replica group;
-            ``None`` returns ``held`` as it is.
-        order (CollectiveOrder): Chains the collectives of the step.
-        stream (mlx.core.Stream, optional): Stream for the communication.
-            Default: ``None``.
-
-    Returns:
-        list: ``(slot, summed array)``, shaped like ``held``.
-    """
-    if dp_group is None:
-        return held
-    dtype = getattr(mx, bucket.dtype)
-    values = {s.index: a for s, a in held}
-    summed = order.ran(mx.distributed.all_sum(
-        order.join(layout.held_parts(bucket, values, rank, dtype), dtype),
-        group=dp_group, stream=stream))
-    return layout.held(bucket, summed, rank)
 
 
 def exchange(x: mx.array, group, *, stream: Optional[mx.Stream] = None) -> mx.array:

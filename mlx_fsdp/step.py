@@ -4,7 +4,7 @@ plan -> check -> reduce-scatter each bucket -> accumulate and average -> clip
 -> update this rank's shards -> all-gather each bucket. The layout of a
 bucket (one flat vector, rank ``r`` holding ``[r * cols, (r + 1) * cols)``)
 is in :mod:`mlx_fsdp.plan`; packing and cutting it in :mod:`mlx_fsdp.layout`;
-the collectives in :mod:`mlx_fsdp.collectives`. The parameters of a fully
+a bucket's collectives in :mod:`mlx_fsdp.bucketed`. The parameters of a fully
 sharded module (:func:`mlx_fsdp.fully_shard`) arrive as what this rank holds,
 their gradients already reduce-scattered in the backward pass: their
 buckets skip both collectives (:mod:`mlx_fsdp.fully_sharded.model`).
@@ -21,7 +21,7 @@ collective (:mod:`mlx_fsdp.consistency`).
 
 import mlx.core as mx
 
-from . import accumulate, clip, collectives, consistency, layout, pace
+from . import accumulate, bucketed, clip, collectives, consistency, layout, pace
 from ._trees import like, match
 from .fully_sharded.model import step_plan
 from .placement import sub_optimizers
@@ -97,11 +97,11 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     averaged = set()  # paths whose gradient the model averaged over the group
     for bucket in reversed(plan.buckets):
         if bucket.sharded_params:
-            mine = collectives.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
+            mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
                                                  opts.dp_group, order=order, stream=stream)
             averaged.update(slot.path for slot, _ in mine)
         else:
-            mine = collectives.reduce_bucket(bucket, grads, group, method=method, order=order,
+            mine = bucketed.reduce_bucket(bucket, grads, group, method=method, order=order,
                                              stream=stream, dp_group=opts.dp_group)
         held.update((slot.path, g) for slot, g in mine)
     del grads
@@ -140,10 +140,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             for index, a in mine.items():
                 out[index] = accumulate.select(finish, a, params[index])
             continue
-        parts = layout.held_parts(bucket, mine, rank)
-        vector = order.ran(collectives.all_gather(order.join(parts, getattr(mx, bucket.param_dtype)),
-                                                  group, stream=stream))
-        for slot, a in zip(bucket.slots, layout.unpack(bucket, vector)):
+        whole = bucketed.gather_bucket(bucket, mine, group, order=order, stream=stream)
+        for slot, a in zip(bucket.slots, whole):
             out[slot.index] = accumulate.select(finish, a, params[slot.index])
     if plan.buckets:
         last = plan.buckets[-1].slots[-1].index

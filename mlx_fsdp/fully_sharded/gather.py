@@ -5,7 +5,7 @@ The module keeps what its rank holds of each parameter (see
 bucket of the module's plan and cuts the full parameters out of it
 (:func:`mlx_fsdp.layout.unpack`). The gathering is an ``mx.custom_function``
 whose VJP reduce-scatters the full gradients bucket by bucket, as the
-sharded step does (:func:`mlx_fsdp.collectives.reduce_bucket`), and divides
+sharded step does (:func:`mlx_fsdp.bucketed.reduce_bucket`), and divides
 by the group size, so that ``value_and_grad`` returns this rank's part of
 the averaged gradient of every parameter, in the parameter's own dtype.
 
@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import collectives, columns, layout
+from .. import bucketed, columns
 from ..order import CollectiveOrder
 from ..pace import paced, pacing
 from ..plan import Plan
@@ -56,13 +56,11 @@ def gather_buckets(plan: Plan, held: Sequence[mx.array], deps: Sequence[mx.array
     """
     full: List[Optional[mx.array]] = [None] * len(held)
     for i, b in enumerate(plan.buckets):
-        dtype = getattr(mx, b.param_dtype)
-        parts = layout.held_parts(b, {s.index: held[s.index] for s in b.held(rank)}, rank)
-        shard = order.join(parts, dtype)
-        if deps and i == 0:  # the later buckets wait for this one
-            shard = mx.depends(shard, paced(deps, traced))
-        vector = order.ran(collectives.all_gather(shard, group, stream=stream))
-        for s, a in zip(b.slots, layout.unpack(b, vector)):
+        # The first bucket waits for the module's inputs; the later ones for it.
+        wait = paced(deps, traced) if deps and i == 0 else ()
+        mine = {s.index: held[s.index] for s in b.held(rank)}
+        for s, a in zip(b.slots, bucketed.gather_bucket(b, mine, group, order=order,
+                                                           stream=stream, wait=wait)):
             full[s.index] = a
     if plan.buckets:  # evaluated with the parameters, the kept token holds nothing
         last = plan.buckets[-1].slots[-1].index
@@ -102,7 +100,7 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
             # before the wait, and the main job's GPT peaked 2.4 MiB higher.
             order.follow(paced(done, traced)[0])
         done = []
-        for s, g in collectives.reduce_bucket(b, grads, group, method=method, order=order,
+        for s, g in bucketed.reduce_bucket(b, grads, group, method=method, order=order,
                                               stream=stream):
             dtype = held[s.index].dtype
             out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" \

@@ -105,6 +105,8 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     received (``exchange``), or the vector and the all-summed vector
     (``all_sum``).
     """
+    if bucket.summed:  # the vector of its arrays and their all-sum (mlx_fsdp.summed)
+        return 2 * bucket.vector
     if method == "native":
         return bucket.vector + bucket.shard
     return bucket.vector if method == "exchange" else 2 * bucket.vector

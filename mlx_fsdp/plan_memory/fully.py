@@ -49,7 +49,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import layout, pace
+from .. import layout, pace, summed
 from ..fully_sharded.model import model_plan
 from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
@@ -200,13 +200,14 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:
     """What one unit's gather keeps (its full arrays) and what it holds on top
-    while it runs: each bucket's whole vector, of which :func:`mlx_fsdp.layout.unpack`
-    keeps views, or, where the vector is mostly padding, copies."""
+    while it runs: each bucket's whole vector (an all-summed bucket's arrays
+    alone, :mod:`mlx_fsdp.summed`), of which :func:`mlx_fsdp.layout.unpack`
+    keeps views, or, where a quarter of the vector is padding, copies."""
     kept = sum(a.nbytes for a in arrays)
     vectors = sum(bucket_bytes(b, arrays, world_size, 0).gathered for b in plan.buckets)
     copied = sum(arrays[s.index].nbytes for b in plan.buckets
-                 if not b.by_rows and 4 * b.padding(world_size) > world_size * b.cols
-                 for s in b.slots)
+                 if not b.by_rows and not summed.applies(b, world_size)
+                 and 4 * b.padding(world_size) > world_size * b.cols for s in b.slots)
     return kept, vectors + copied - kept
 
 

@@ -11,7 +11,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from .. import layout, master
+from .. import layout, master, summed
 from ..sharded_state import init_held
 from ..placement import plan_for
 
@@ -48,6 +48,9 @@ class BucketBytes(NamedTuple):
             all-gather sends; 0 where the shard is one piece, sent as it is.
         gathered (int): The all-gathered vector in the parameters' dtype,
             whose views are the bucket's new parameters.
+        summed (bool): An owner bucket all-summed without its padding
+            (:mod:`mlx_fsdp.summed`): ``vector`` and ``gathered`` are its
+            arrays alone, and ``shard`` what this rank keeps of them.
     """
 
     vector: int
@@ -55,6 +58,7 @@ class BucketBytes(NamedTuple):
     held: int
     packed: int
     gathered: int
+    summed: bool = False
 
 
 def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int) -> BucketBytes:
@@ -62,10 +66,18 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int)
     itemsize = getattr(mx, bucket.dtype).size
     param_dtype = getattr(mx, bucket.param_dtype)
     mine = {s.index: a for s, a in layout.held_of(bucket, arrays, rank)}
+    held = sum(a.size for a in mine.values()) * itemsize
+    if summed.applies(bucket, world_size):
+        size = summed.elements(bucket)
+        # The gather's input: this rank's arrays and -0.0 for the others'
+        # (none beyond the array itself where it owns them all).
+        sent = 0 if held == size * itemsize else size * param_dtype.size
+        return BucketBytes(vector=size * itemsize, shard=held, held=held, packed=sent,
+                           gathered=size * param_dtype.size, summed=True)
     parts = layout.held_parts(bucket, mine, rank)
     return BucketBytes(
         vector=bucket.nbytes(world_size), shard=bucket.cols * itemsize,
-        held=sum(a.size for a in mine.values()) * itemsize,
+        held=held,
         packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
         gathered=world_size * bucket.cols * param_dtype.size,
     )

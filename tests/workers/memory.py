@@ -1,6 +1,9 @@
 """Optimizer-state bytes and peak memory per rank, DDP vs FSDP, one phase each.
 
-Usage: memory.py HIDDEN LAYERS
+Usage: memory.py HIDDEN LAYERS [OPTIMIZER]
+
+OPTIMIZER is ``adamw`` (the default) or ``adafactor`` (every matrix whole on
+an owner rank).
 """
 
 import gc
@@ -21,13 +24,17 @@ def state_bytes(state):
     return sum(v.nbytes for _, v in tree_flatten(state) if v.ndim)
 
 
-def phase(make_opt, hidden, layers, group):
+OPTIMIZERS = {"adamw": lambda: optim.AdamW(learning_rate=1e-3),
+              "adafactor": lambda: optim.Adafactor(learning_rate=1e-3)}
+
+
+def phase(make_opt, hidden, layers, group, name):
     gc.collect()
     before = mx.get_active_memory()
     mx.random.seed(0)
     model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
     mx.eval(model.parameters())
-    opt = make_opt(optim.AdamW(learning_rate=1e-3))
+    opt = make_opt(OPTIMIZERS[name]())
     vg = nn.value_and_grad(model, lambda m, x: (m(x) ** 2).mean())
     x = mx.random.normal((8, hidden), key=mx.random.key(group.rank()))
     for step in range(3):
@@ -49,7 +56,10 @@ def phase(make_opt, hidden, layers, group):
 
 group = mx.distributed.init()
 hidden, layers = int(sys.argv[1]), int(sys.argv[2])
-ddp_state, ddp_peak, ddp_left = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden, layers, group)
-fsdp_state, fsdp_peak, fsdp_left = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden, layers, group)
+name = sys.argv[3] if len(sys.argv) > 3 else "adamw"
+ddp_state, ddp_peak, ddp_left = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden,
+                                      layers, group, name)
+fsdp_state, fsdp_peak, fsdp_left = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden,
+                                         layers, group, name)
 report(group, n=group.size(), ddp_state=ddp_state, fsdp_state=fsdp_state,
        ddp_peak=ddp_peak, fsdp_peak=fsdp_peak, ddp_left=ddp_left, fsdp_left=fsdp_left)
