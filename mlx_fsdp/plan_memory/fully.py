@@ -199,16 +199,28 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
 
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:
-    """What one unit's gather keeps (its full arrays) and what it holds on top
-    while it runs: each bucket's whole vector (an all-summed bucket's arrays
-    alone, :mod:`mlx_fsdp.summed`), of which :func:`mlx_fsdp.layout.unpack`
-    keeps views, or, where a quarter of the vector is padding, copies."""
-    kept = sum(a.nbytes for a in arrays)
-    vectors = sum(bucket_bytes(b, arrays, world_size, 0).gathered for b in plan.buckets)
-    copied = sum(arrays[s.index].nbytes for b in plan.buckets
-                 if not b.by_rows and not summed.applies(b, world_size)
-                 and 4 * b.padding(world_size) > world_size * b.cols for s in b.slots)
-    return kept, vectors + copied - kept
+    """What one unit's gather keeps until the backward pass, and what it holds
+    on top while it runs.
+
+    :func:`mlx_fsdp.layout.unpack` returns views of each bucket's gathered
+    vector (an all-summed bucket's: its arrays alone, :mod:`mlx_fsdp.summed`),
+    which keep the whole vector alive, padding included, as long as the
+    arrays; or, where a quarter of an owner bucket's vector is padding, or a
+    rows bucket holds several arrays, copies, and then only the copies are
+    kept and the vector is freed once they are made.
+    """
+    kept = extra = 0
+    for b in plan.buckets:
+        vector = bucket_bytes(b, arrays, world_size, 0).gathered
+        own = sum(arrays[s.index].nbytes for s in b.slots)
+        if b.by_rows and len(b.slots) > 1:  # copied run by run: the rest of the vector
+            kept, extra = kept + own, extra + vector - own
+        elif not b.by_rows and not summed.applies(b, world_size) \
+                and 4 * b.padding(world_size) > world_size * b.cols:  # copies, and the vector
+            kept, extra = kept + own, extra + vector
+        else:
+            kept += vector
+    return kept, extra
 
 
 def _held(plans, trained: set, rank: int):
