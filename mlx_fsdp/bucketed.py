@@ -47,7 +47,7 @@ def reduce_bucket(bucket, grads, group, *, method: str, order: CollectiveOrder,
     ready = [layout.empty_of(grads[s.index]) for s in reversed(bucket.slots)] \
         if len(bucket.slots) > 1 else []
     if summed.applies(bucket, n):
-        vector = order.join(ready + summed.gradient_parts(bucket, grads, dtype), dtype)
+        vector = order.join(ready + summed.gradient_parts(bucket, grads), dtype)
         total = mx.distributed.all_sum(vector, group=group, stream=stream)
         held = summed.owned(bucket, total, rank)
         order.ran(mx.concatenate([layout.empty_of(total)] + [layout.empty_of(a) for _, a in held]))

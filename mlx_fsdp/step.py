@@ -98,11 +98,11 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     for bucket in reversed(plan.buckets):
         if bucket.sharded_params:
             mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
-                                                 opts.dp_group, order=order, stream=stream)
+                                              opts.dp_group, order=order, stream=stream)
             averaged.update(slot.path for slot, _ in mine)
         else:
             mine = bucketed.reduce_bucket(bucket, grads, group, method=method, order=order,
-                                             stream=stream, dp_group=opts.dp_group)
+                                          stream=stream, dp_group=opts.dp_group)
         held.update((slot.path, g) for slot, g in mine)
     del grads
 

@@ -43,14 +43,15 @@ def elements(bucket: Bucket) -> int:
     return sum(s.size for s in bucket.slots)
 
 
-def gradient_parts(bucket: Bucket, grads: Sequence[mx.array], dtype) -> List[mx.array]:
+def gradient_parts(bucket: Bucket, grads: Sequence[mx.array]) -> List[mx.array]:
     """The parts of the vector a rank all-sums in the backward pass: its full gradients."""
-    return [layout.flatten(s, grads[s.index]).astype(dtype) for s in bucket.slots]
+    return [layout.flatten(s, grads[s.index]) for s in bucket.slots]
 
 
 def parameter_parts(bucket: Bucket, mine: Dict[int, mx.array], rank: int,
                     dtype) -> List[mx.array]:
-    """The parts of the vector a rank all-sums to gather: its own arrays, ``-0.0`` elsewhere.
+    """The parts of the vector a rank all-sums to gather: its own arrays, ``-0.0`` elsewhere
+    (cast to the parameters' dtype where they are joined).
 
     Args:
         bucket (Bucket): The bucket.
@@ -58,7 +59,7 @@ def parameter_parts(bucket: Bucket, mine: Dict[int, mx.array], rank: int,
         rank (int): This rank.
         dtype (Dtype): The parameters' dtype.
     """
-    return [layout.flatten(s, mine[s.index]).astype(dtype) if s.owner == rank
+    return [layout.flatten(s, mine[s.index]) if s.owner == rank
             else mx.full((s.size,), -0.0, dtype) for s in bucket.slots]
 
 

@@ -101,7 +101,7 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
             order.follow(paced(done, traced)[0])
         done = []
         for s, g in bucketed.reduce_bucket(b, grads, group, method=method, order=order,
-                                              stream=stream):
+                                           stream=stream):
             dtype = held[s.index].dtype
             out[s.index] = columns.row_major(g, n, dtype) if s.order == "F" \
                 else (g / n).astype(dtype)
