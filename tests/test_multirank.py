@@ -139,6 +139,17 @@ def test_hybrid_shard_by_replica_on_mpi_4(fully):
     assert (r["sharded_buckets"] > 0) == fully, r
 
 
+@pytest.mark.parametrize("fully", [False, True])
+def test_hybrid_with_muon_on_owners_in_shard_groups_of_3(fully):
+    # 3 x 2 ranks: Muon's matrices whole on owners within each shard group
+    # (each in an all-summed bucket of its own), then summed over the replicas.
+    (r,) = run_ranks(6, "hybrid.py", ["fully", "muon", "shard=3"] if fully
+                     else ["muon", "shard=3"])
+    assert (r["shard_size"], r["replica_size"]) == (3, 2) and r["fully"] == fully
+    assert r["max_diff"] <= F32_TOL, r
+    assert (r["sharded_buckets"] > 0) == fully, r
+
+
 def test_hybrid_on_ring_says_split_is_missing():
     (r,) = run_ranks(2, "hybrid.py")
     assert "Group.split" in r["error"] and "MPI or NCCL" in r["error"], r
