@@ -12,7 +12,7 @@ from .options import make_options
 from .fully_sharded.model import step_plan
 from .placement import sub_optimizers
 from .plain import replicated_step
-from .plan import Plan, single_process_plan
+from .plan import Plan
 from .sharded_state import check_state, init_held
 from .state import tree_changed
 from .watchdog import watch
@@ -55,7 +55,7 @@ class ShardedOptimizer(DistributedOptimizer):
         before the first step and ``init`` it is ``None``.
         """
         if self.options.world_size == 1:
-            return single_process_plan()
+            return Plan(1, 0, ())  # no buckets: the plain optimizer
         return self._plan
 
     def _on_state_set(self):

@@ -18,7 +18,8 @@ slice, so the new parameters are views of the gathered buffer with no copy.
 * An *owner* bucket (shape-aware optimizers: Muon, Adafactor) gives every
   array to one owner rank (see :mod:`mlx_fsdp.owners`) and packs rank ``r``'s
   arrays at the start of its shard, padded to the longest shard: the owner
-  gets each of its arrays whole and updates it with the unmodified optimizer.
+  gets each of its arrays whole and updates it with the unmodified optimizer
+  (one more than half padding is all-summed without it, :mod:`mlx_fsdp.summed`).
 * A *rows* bucket (the parameters :func:`mlx_fsdp.fully_shard` keeps) gives
   every rank its axis-0 slice of every array, each padded to the same number
   of rows (see :mod:`mlx_fsdp.rows`).
@@ -128,6 +129,10 @@ class Bucket:
         """Zeros in the flat vector."""
         return world_size * self.cols - sum(s.size for s in self.slots)
 
+    def summed(self, world_size: int) -> bool:
+        """Whether it is all-summed unpadded (:mod:`mlx_fsdp.summed`): owned, over half padding."""
+        return self.owned and 2 * self.padding(world_size) > world_size * self.cols
+
     def nbytes(self, world_size: int) -> int:
         """Bytes of the flat vector in the reduce dtype, padding included."""
         return world_size * self.cols * getattr(mx, self.dtype).size
@@ -183,6 +188,8 @@ class Plan:
                     "axis-0 slices" if b.by_rows else "flat")
             if b.sharded_params:
                 kind += " in the model (fully_shard)"
+            elif b.summed(self.world_size):
+                kind += ", all-summed without the padding"
             lines.append(
                 f"  bucket {b.index}: {kind}, {b.dtype} (params {b.param_dtype}), optimizer "
                 f"{b.optimizer}, {len(b.slots)} arrays, shard {b.cols} elements, "
@@ -291,8 +298,3 @@ def build_plan(signature: Signature, world_size: int, communication_size: int,
             buckets.append(Bucket(len(buckets), dtype, param_dtype, optimizer, where == OWNER,
                                   tuple(slots), cols, where == ROWS))
     return Plan(world_size, int(communication_size), tuple(buckets))
-
-
-def single_process_plan() -> Plan:
-    """The plan of one process: no buckets, the plain optimizer (what ``print`` shows)."""
-    return Plan(1, 0, ())

@@ -7,8 +7,8 @@ its ``N`` shards are zeros: the reduce-scatter takes ``N`` times the array
 from every rank, and the all-gather returns ``N`` times it to every rank.
 Muon and Adafactor put every large matrix in such a bucket.
 
-A bucket that is more than half padding (:func:`applies`) is therefore
-all-summed as its arrays alone, back to back in slot order:
+A bucket that is more than half padding (:meth:`mlx_fsdp.plan.Bucket.summed`)
+is therefore all-summed as its arrays alone, back to back in slot order:
 
 * reduce: every rank all-sums its full gradients; each owner keeps its own
   arrays of the sum (copied out where the rank owns only some of them, so
@@ -31,11 +31,6 @@ import mlx.core as mx
 
 from . import layout
 from .plan import Bucket, Slot
-
-
-def applies(bucket: Bucket, world_size: int) -> bool:
-    """Whether ``bucket`` is all-summed: an owner bucket more than half padding."""
-    return bucket.owned and 2 * bucket.padding(world_size) > world_size * bucket.cols
 
 
 def elements(bucket: Bucket) -> int:

@@ -49,7 +49,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import layout, pace, summed
+from .. import layout, pace
 from ..fully_sharded.model import model_plan
 from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
@@ -215,7 +215,7 @@ def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tu
         own = sum(arrays[s.index].nbytes for s in b.slots)
         if b.by_rows and len(b.slots) > 1:  # copied run by run: the rest of the vector
             kept, extra = kept + own, extra + vector - own
-        elif not b.by_rows and not summed.applies(b, world_size) \
+        elif not b.by_rows and not b.summed(world_size) \
                 and 4 * b.padding(world_size) > world_size * b.cols:  # copies, and the vector
             kept, extra = kept + own, extra + vector
         else:

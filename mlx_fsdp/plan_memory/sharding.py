@@ -67,7 +67,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int)
     param_dtype = getattr(mx, bucket.param_dtype)
     mine = {s.index: a for s, a in layout.held_of(bucket, arrays, rank)}
     held = sum(a.size for a in mine.values()) * itemsize
-    if summed.applies(bucket, world_size):
+    if bucket.summed(world_size):
         size = summed.elements(bucket)
         # The gather's input: this rank's arrays and -0.0 for the others'
         # (none beyond the array itself where it owns them all).

@@ -12,7 +12,7 @@ from common import report
 
 import mlx.core as mx
 
-from mlx_fsdp import bucketed, layout, summed
+from mlx_fsdp import bucketed, layout
 from mlx_fsdp.collectives import all_gather, reduce_scatter_method
 from mlx_fsdp.order import CollectiveOrder
 from mlx_fsdp.plan import build_plan
@@ -52,7 +52,7 @@ for dt in ("float32", "bfloat16"):
                       n, budget)
     params = arrays(0, dtype)
     for b in plan.buckets:
-        applies.append(summed.applies(b, n))
+        applies.append(b.summed(n))
         mine = {s.index: a for s, a in layout.held_of(b, params, rank)}
         whole = evaluated(bucketed.gather_bucket(b, mine, group, order=CollectiveOrder(group)))
         padded = layout.unpack(b, all_gather(layout.join(layout.held_parts(b, mine, rank), dtype),
