@@ -431,6 +431,17 @@ def test_bench_pace_compares_both_settings_on_two_ranks():
                          out, re.M), out
 
 
+def test_bench_summed_compares_both_settings_on_three_ranks():
+    # One 1024 x 1024 layer: alone in its owner bucket at N=3, all-summed.
+    out = run_script(3, "benchmarks/bench_summed.py",
+                     ["--hidden", 1024, "--layers", 1, "--batch", 2, "--blocks", 1, "--block", 1])
+    assert "N=3; MLP 1x1024, batch 2 per rank" in out
+    for mode in ("fsdp", "fully"):
+        m = re.search(rf"^{mode} +adafactor +step ms +[\d.]+ -> +[\d.]+ \([\d.]+x\) +peak MiB "
+                      r"+([\d.]+) -> +([\d.]+)$", out, re.M)
+        assert m and float(m[2]) < float(m[1]), out
+
+
 def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
     """benchmarks/gpu_check.sh, shrunk (SMALL=1) and on this machine's device:
     every part it runs on a lent GPU still runs, and a test file it is given
