@@ -234,6 +234,12 @@ def range_parts(bucket: Bucket, arrays: Sequence[mx.array], rank: int, dtype) ->
     return _runs(bucket, lo, hi, _slice_of(arrays), dtype)
 
 
+def copies_out(bucket: Bucket, world_size: int) -> bool:
+    """Whether :func:`unpack` copies a flat or owner bucket's arrays out of its
+    gathered vector (a quarter or more of it padding) instead of returning views."""
+    return not bucket.by_rows and 4 * bucket.padding(world_size) > world_size * bucket.cols
+
+
 def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
     """The bucket's arrays, in slot order, cut from its whole flat vector.
 
@@ -254,7 +260,7 @@ def unpack(bucket: Bucket, vector: mx.array) -> List[mx.array]:
     dtype = getattr(mx, bucket.param_dtype)
     if bucket.by_rows:
         return [a if a.dtype == dtype else a.astype(dtype) for a in _unpack_rows(bucket, vector)]
-    copy = 4 * bucket.padding(vector.size // bucket.cols) > vector.size
+    copy = copies_out(bucket, vector.size // bucket.cols)
     out = []
     for s in bucket.slots:
         part = vector if (s.start, s.size) == (0, vector.size) else vector[s.start:s.stop]

@@ -215,8 +215,7 @@ def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tu
         own = sum(arrays[s.index].nbytes for s in b.slots)
         if b.by_rows and len(b.slots) > 1:  # copied run by run: the rest of the vector
             kept, extra = kept + own, extra + vector - own
-        elif not b.by_rows and not b.summed(world_size) \
-                and 4 * b.padding(world_size) > world_size * b.cols:  # copies, and the vector
+        elif not b.summed(world_size) and layout.copies_out(b, world_size):  # and the vector
             kept, extra = kept + own, extra + vector
         else:
             kept += vector
