@@ -143,12 +143,12 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False,
                  device: str = "cpu", activations: int = 0,
-                 compiled: bool = False) -> List[RankMemory]:
+                 compiled: bool = False, phases: bool = False) -> list:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
     (a quantized layer's scales) included, which ``fully_shard`` shards too.
-    ``compiled``: see :func:`estimate_ranks`.
+    ``compiled``, ``phases``: see :func:`estimate_ranks`.
     """
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
@@ -170,15 +170,19 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
+        backward = dict(common, communication=units.communication, new_parameters=0,
+                        gathered=units.gathered, full_gradients=units.full_gradients)
+        update = dict(common, communication=grads, new_parameters=held["largest"])
+        if phases:  # each alone: the pass's activations, the update's temporaries
+            out.append((RankMemory(**backward, activations=activations),
+                        RankMemory(**update, temporaries=temps)))
+            continue
         acts = activations
         if fully.phases_apart(device, compiled):  # the update waits for the backward pass
             temps, acts = (temps, 0) if temps >= acts else (0, acts)
-        backward = RankMemory(**common, communication=units.communication, new_parameters=0,
-                              gathered=units.gathered, full_gradients=units.full_gradients,
-                              temporaries=temps, activations=acts)
-        update = RankMemory(**common, communication=grads, new_parameters=held["largest"],
-                            temporaries=temps, activations=acts)
-        out.append(max(backward, update, key=lambda r: r.peak))  # a tie: the backward pass
+        out.append(max(RankMemory(**backward, temporaries=temps, activations=acts),
+                       RankMemory(**update, temporaries=temps, activations=acts),
+                       key=lambda r: r.peak))  # a tie: the backward pass
     return out
 
 
@@ -199,7 +203,8 @@ def estimate_ranks(
     every_rank: bool = False,
     activations: int = 0,
     compiled: bool = False,
-) -> List[RankMemory]:
+    phases: bool = False,
+) -> list:
     """The bytes every rank holds in one configuration.
 
     Args:
@@ -236,10 +241,16 @@ def estimate_ranks(
             update's temporaries then meet the activations, and resharding
             saved nothing on an MLP: both are counted, and no block is
             counted resharded. Default: ``False``.
+        phases (bool): ``fully_shard`` (at N > 1): per rank, its forward and
+            backward pass and its update each counted alone, the one with
+            the activations, the other with the temporaries
+            (``benchmarks/bench_plan_phases.py`` measures them so), instead
+            of the peak. Default: ``False``.
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
-        ``fully_shard`` without owner-placed arrays: rank 0's, the fullest).
+        ``fully_shard`` without owner-placed arrays: rank 0's, the fullest);
+        with ``phases``, a ``(backward, update)`` pair per rank.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
@@ -251,14 +262,18 @@ def estimate_ranks(
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
     if not isinstance(activations, int) or activations < 0:
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
+    if phases and (mode != "fully_shard" or world_size == 1):
+        raise ValueError(f"phases=True needs mode='fully_shard' at world_size > 1, not "
+                         f"mode={mode!r} at world_size={world_size}: only there the "
+                         "planner counts the two phases apart.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-                  activations, compiled)
+                  activations, compiled, phases)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-           activations, compiled):
+           activations, compiled, phases=False):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
@@ -280,4 +295,5 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
                 for a in model.arrays if a.path in trained or _floating(a.dtype)]
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
-                        reshard_after_forward, every_rank, device, activations, compiled)
+                        reshard_after_forward, every_rank, device, activations, compiled,
+                        phases)
