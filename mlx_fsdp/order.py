@@ -71,6 +71,11 @@ class CollectiveOrder:
         """
         return x if self._last is None else mx.depends(x, self._last)
 
+    def last(self) -> List[mx.array]:
+        """The last collective's output (or token), if any: what to wait for
+        besides other arrays before replacing it with :meth:`follow`."""
+        return [] if self._last is None else [self._last]
+
     def follow(self, token: mx.array) -> None:
         """Make the next collective's input wait for ``token`` before anything else it reads."""
         self._last = token

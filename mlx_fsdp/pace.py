@@ -16,8 +16,9 @@ its CPU thread.
 point of the graph; whatever depends on the chain is queued only after it,
 and by then the worker has run everything up to that point and freed what
 it consumed. It is used where a fully sharded module's gather waits for the
-module's inputs, where each bucket of its reduce-scatter waits for the one
-before, and where the layers before it wait for its reduce-scatter
+module's inputs, where its reduce-scatter's first bucket waits for its
+gradients and each later bucket for the one before, and where the layers
+before it wait for its reduce-scatter
 (:mod:`mlx_fsdp.fully_sharded.gather`), and where the step's update waits
 for its gradients (:mod:`mlx_fsdp.step`).
 

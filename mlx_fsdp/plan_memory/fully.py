@@ -28,7 +28,7 @@ phases:
   after it has not freed its buffers), the **full gradients** of a unit
   (the largest of the blocks and the root, or the whole model wrapped
   once: the gather's VJP receives all its cotangents at once; with
-  ``reshard_after_forward``, the root's and :data:`GRADIENTS_ALIVE` blocks'),
+  ``reshard_after_forward``, the root's and :data:`BLOCKS_ALIVE` blocks'),
   and in **comm** the reduce-scatter buffers of the largest bucket (as for
   ``fsdp_step``, see :func:`~mlx_fsdp.plan_memory.buffers.reduce_buffers`)
   and its sum, from which the shard's gradient is then made in the shard's
@@ -66,15 +66,6 @@ WRAPS = ("blocks", "model")
 #: enough at every point measured; three before the pacing. On a GPU it is
 #: not measured, and the count from before the pacing stands.
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
-
-#: With ``reshard_after_forward``, the blocks whose full gradients are counted
-#: alive at once. On the CPU one more than their gathers: measured per phase
-#: (``benchmarks/bench_plan_phases.py``), the backward pass of an MLP of 2, 4
-#: or 8 resharded blocks held the same transient at every depth, about two
-#: blocks' gathers and full gradients besides the reduce-scatter's buffers,
-#: and with one block's counted, two MLPs of 2 blocks with SGD, whose update
-#: has the fewest temporaries to cover it, measured above the bound.
-GRADIENTS_ALIVE = {"cpu": 2, "gpu": 3}
 
 
 def phases_apart(device: str, compiled: bool = False) -> bool:
@@ -191,7 +182,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     grads = {prefix: sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
              for prefix, indices in split([p for p, _ in flat], wrap)}
     if ahead:  # the root's until the end of the backward pass, and the blocks' in flight
-        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:GRADIENTS_ALIVE[device]])
+        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE[device]])
     else:  # a unit's until its reduce-scatter, the root's until the end
         full = max(grads.values(), default=0)
     # The reduce-scatter's buffers, and its sum, which the gradient of the
