@@ -80,10 +80,11 @@ class CollectiveOrder:
         """Make the next collective's input wait for ``token`` before anything else it reads."""
         self._last = token
 
-    def after(self, arrays: List[mx.array]) -> List[mx.array]:
-        """Inside ``mx.compile``, ``arrays``, each to be used only after the last
-        collective built here (eagerly the chain already orders them: unchanged)."""
-        if not self._traced or self._last is None or not arrays:
+    def after(self, arrays: List[mx.array], eager: bool = False) -> List[mx.array]:
+        """Inside ``mx.compile`` (or with ``eager``), ``arrays``, each to be used
+        only after the last collective built here (eagerly the chain already
+        orders the collectives themselves: unchanged without ``eager``)."""
+        if not (self._traced or eager) or self._last is None or not arrays:
             return list(arrays)
         return mx.depends(list(arrays), [empty_of(self._last)])
 

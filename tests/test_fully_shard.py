@@ -5,6 +5,7 @@ the model, ``ddp_step`` (that plus the plain optimizer), and
 ``mlx.nn.fully_shard`` itself where it runs (sum_scatter emulated).
 """
 
+import json
 import re
 
 import mlx.core as mx
@@ -14,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_fsdp
-from launch import run_ranks
+from launch import run_ranks, run_script
 from mlx_fsdp import columns, layout, rows
 from mlx_fsdp.fully_sharded.remat import remat
 from mlx_fsdp.plan import ROWS, build_plan
@@ -161,6 +162,23 @@ def test_a_model_wrapped_once_reduces_one_bucket_at_a_time(n, backend, blocks):
     # gradients, which cost the main job 2.4 MiB), 5.0-5.3 at N=3 (mlx 0.32.4).
     (r,) = run_ranks(n, "fully_shard_memory.py", [4, 1024, "once"], backend=backend)
     assert r["peak_above_params"] <= r["grads"] + blocks * r["block"] + r["activations"], r
+
+
+def test_the_update_waits_for_the_backward_pass_with_owner_placement(tmp_path):
+    """On the CPU the step's update waits for its gradients (mlx_fsdp.pace). With
+    Adafactor each matrix is owned whole by one rank; the other rank's
+    gradient of it is empty, and before the empty ones followed the module's
+    last reduce-scatter too, that rank began its update while the
+    reduce-scatter still held its buffers: the whole step peaked 1.43x its
+    fuller phase evaluated alone (40.1 MiB against 28.1, MLP 2 x 1024, ring
+    N=2, 2026-11-26), 1.00x since."""
+    out = tmp_path / "phases.json"
+    run_script(2, "benchmarks/bench_plan_phases.py",
+               ["--models", "mlp", "--layers", "2", "--hidden", "1024", "--optimizers",
+                "adafactor", "--json", str(out)], timeout=300)
+    (r,) = json.loads(out.read_text())["rows"]
+    backward, update, step = r["measured"]
+    assert step <= 1.1 * max(backward, update), r
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
