@@ -264,8 +264,8 @@ def estimate_ranks(
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
     if phases and (mode != "fully_shard" or world_size == 1):
         raise ValueError(f"phases=True needs mode='fully_shard' at world_size > 1, not "
-                         f"mode={mode!r} at world_size={world_size}: only there the "
-                         "planner counts the two phases apart.")
+                         f"mode={mode!r} at world_size={world_size}: only there are the "
+                         "two phases counted apart; drop phases or plan fully_shard.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
                   activations, compiled, phases)
