@@ -97,11 +97,12 @@ def reduce_buckets(plan: Plan, grads: Sequence[mx.array], held: Sequence[mx.arra
             # On the CPU, this bucket's buffers only once the last one's are
             # freed, and the first bucket's once its gradients are computed:
             # before that wait MLX queued the whole reduce-scatter with the
-            # end of the backward pass, and a fully sharded MLP of one layer
-            # of 512 held 7 of its layers' bytes at once beyond its shards
-            # (4.5 after). The token must come first in the bucket's input:
-            # behind the gradients (mx.depends puts it there) MLX computed
-            # them before the wait, and the main job's GPT peaked 2.4 MiB higher.
+            # end of the backward pass: a fully sharded MLP of one layer of
+            # 512 peaked at 8.08 MiB in its backward pass, 6.6 layers beyond
+            # its shards (5.54 MiB after; benchmarks/bench_plan_phases.py).
+            # The token must come first in the bucket's input: behind the
+            # gradients (mx.depends puts it there) MLX computed them before
+            # the wait, and the main job's GPT peaked 2.4 MiB higher.
             # The first bucket's token waits for the group's last collective
             # too, which it replaces in the chain (the later ones' follow it).
             first = [grads[s.index] for s in b.slots] + order.last()
