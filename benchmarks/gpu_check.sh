@@ -14,6 +14,8 @@
 #   if the machine gets only the checkout); "-" skips it.
 #   TEST_FILE: names under tests/, e.g. test_fully_shard.py; none runs no tests.
 #   SMALL=1 shrinks every model (a dry run on the CPU).
+#   JOBS=K runs up to K test files at once (16 cores, one GPU: the tests
+#   are small, and the lease is short); each file's output lands whole.
 set -u
 out=$1; budget=$2; yard=$3; shift 3
 mkdir -p "$out"
@@ -60,10 +62,19 @@ ranks 75 "$here/bench_step.py" $mlp $fully --markdown "$out/step_mlp.md" 2>&1 \
 # The harness turns TF32 off for every rank; here too, for the test process.
 export MLX_ENABLE_TF32=0
 : > "$out/suite.txt"
+logs=$(mktemp -d)
+one_file() {  # one_file FILE SECONDS: its last lines, appended whole
+    local f=$1 t=$2 log="$logs/$1.txt"
+    { echo "== $f (${t}s left)"
+      timeout "$t" python3 -m pytest -q --tb=short -p no:cacheprovider -rfE "$here/../tests/$f" 2>&1 \
+          | tail -n 60; } > "$log"
+    cat "$log" >> "$out/suite.txt"
+}
 for f in "$@"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-1}" ]; do sleep 1; done
     t=$(( $(left) - 3 ))
     if [ "$t" -lt 10 ]; then echo "== $f: no time left" | tee -a "$out/suite.txt"; continue; fi
-    echo "== $f (${t}s left)" | tee -a "$out/suite.txt"
-    timeout "$t" python3 -m pytest -q --tb=short -p no:cacheprovider -rfE "$here/../tests/$f" 2>&1 \
-        | tail -n 60 | tee -a "$out/suite.txt"
+    one_file "$f" "$t" &
 done
+wait
+cat "$out/suite.txt"
