@@ -53,9 +53,10 @@ def _against_ddp(n: int, steps: int, configs: list) -> list:
     results = run_ranks(n, "fully_shard.py", [steps, *configs], timeout=300)
     assert [r["config"] for r in results] == configs
     for r in results:
-        assert r["steps"] == steps, r
-        assert r["f32"] <= F32_TOL and r["bf16"] <= BF16_ULP_AT_ONE, r
-        assert r["loss_diff"] <= F32_TOL, r
+        whole = json.dumps(r, default=str)  # a dict's repr is cut short in pytest's report
+        assert r["steps"] == steps, whole
+        assert r["f32"] <= F32_TOL and r["bf16"] <= BF16_ULP_AT_ONE, whole
+        assert r["loss_diff"] <= F32_TOL, whole
     return results
 
 
@@ -123,8 +124,11 @@ def test_gathered_parameters_do_not_outlive_their_blocks_backward_pass(n, backen
     (r,) = run_ranks(n, "fully_shard_memory.py", [12, 512], backend=backend)
     # The gradients' shards, the gathered parameters and full gradients of a
     # few blocks, the activations. Twelve blocks' gathered parameters kept
-    # alive (a leak, or every block gathered at once) add 12 MiB.
-    assert r["peak_above_params"] <= r["grads"] + 4 * r["block"] + r["activations"], r
+    # alive (a leak, or every block gathered at once) add 12 MiB. A GPU is
+    # not paced (mlx_fsdp.pace) and frees an array once its command buffer
+    # has run: one H100 held 6.4 blocks at N=2 and 4.9 at N=3 (2026-11-26).
+    blocks = 4 if mx.default_device() == mx.cpu else 8
+    assert r["peak_above_params"] <= r["grads"] + blocks * r["block"] + r["activations"], r
     assert r["held"] <= (12 * r["block"]) / n + 12 * 2048, r
 
 

@@ -5,6 +5,8 @@ gradients averaged in one process (the reference), and ``ddp_step``, which is
 ``mlx.nn.average_gradients`` plus the plain optimizer.
 """
 
+import json
+
 import pytest
 
 from launch import run_ranks
@@ -28,12 +30,12 @@ def _configs(bf16):
 def _check(results, vs_reference=True):
     assert len(results) == 3 * len(OPTIMIZERS)
     for r in results:
-        cfg = r["config"]
-        assert r["fsdp_ddp_f32"] <= F32_TOL, r
-        assert r["fsdp_ddp_bf16"] <= BF16_ULP_AT_ONE, r
+        cfg, whole = r["config"], json.dumps(r, default=str)  # a repr is cut short in reports
+        assert r["fsdp_ddp_f32"] <= F32_TOL, whole
+        assert r["fsdp_ddp_bf16"] <= BF16_ULP_AT_ONE, whole
         if vs_reference:
-            assert r["fsdp_ref_f32"] <= F32_TOL, r
-            assert r["fsdp_ref_bf16"] <= BF16_ULP_AT_ONE, r
+            assert r["fsdp_ref_f32"] <= F32_TOL, whole
+            assert r["fsdp_ref_bf16"] <= BF16_ULP_AT_ONE, whole
         if ":0.5:" in cfg:
             assert r["clipped"] >= 1, f"clipping never engaged in {cfg}: the test would not see it"
             assert r["norm_ddp"] <= 1e-5 and (not vs_reference or r["norm_ref"] <= 1e-5), r

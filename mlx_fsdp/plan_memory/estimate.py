@@ -1,10 +1,9 @@
 """Per-rank bytes of one training configuration, computed from shape-only arrays.
 
 Every array here is built with ``mx.zeros(shape, dtype)`` and never
-evaluated: MLX computes shapes and dtypes when an operation is recorded and
-allocates nothing until evaluation, so a 70B model costs no memory to plan.
-The optimizer state is what the real ``mlx.optimizers`` optimizer builds
-when it is initialized on those arrays (for FSDP, on this rank's pieces; see
+evaluated (MLX allocates nothing until evaluation), so a 70B model costs no
+memory to plan. The optimizer state is what the real ``mlx.optimizers``
+optimizer builds on those arrays (for FSDP, on this rank's pieces; see
 :mod:`mlx_fsdp.plan_memory.sharding`).
 
 What is counted, per rank (all ranks hold the whole model under ``ddp``
@@ -29,15 +28,16 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
   parameters of the wrapped modules alive at once in the forward and
   backward pass, and the full gradients of one of them before its
   reduce-scatter;
-* **temporaries**: the optimizer's arithmetic and what MLX's run-ahead
-  keeps alive next to it, compiled or not as ``fsdp_step`` runs it there
-  (:mod:`mlx_fsdp.plan_memory.transient`);
+* **temporaries**: the optimizer's arithmetic, what MLX's run-ahead keeps
+  alive next to it, compiled or not as ``fsdp_step`` runs it there, and a
+  GPU's matmul workspaces (:mod:`mlx_fsdp.plan_memory.transient`);
 * **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`).
 
 The **peak** is their sum, an upper bound of one training step
 (``benchmarks/bench_plan_memory.py`` measures the margin).
 """
 
+import math
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -45,7 +45,7 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .transient import temporaries
+from .transient import matmul_workspace, temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
 from .parts import RankMemory, tree_bytes
@@ -81,10 +81,7 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
         floating = _floating(a.dtype) and a.path.rpartition(".")[0] not in quantized \
             and not a.frozen
         dt = getattr(mx, dtype if (dtype and floating) else a.dtype)
-        size = 1
-        for d in a.shape:
-            size *= d
-        total += size * dt.size
+        total += math.prod(a.shape) * dt.size
         if floating:
             trainable.append((a.path, mx.zeros(a.shape, dt)))
     if not trainable:
@@ -169,7 +166,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
-        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
+        temps = (temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
+                 + matmul_workspace(name, device))
         backward = dict(common, communication=units.communication, new_parameters=0,
                         gathered=units.gathered, full_gradients=units.full_gradients)
         update = dict(common, communication=grads, new_parameters=held["largest"])
@@ -177,6 +175,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
             out.append((RankMemory(**backward, activations=activations),
                         RankMemory(**update, temporaries=temps)))
             continue
+        backward.update(fully.update_during_backward(device, held, grads, units, rank))
         acts = activations
         if fully.phases_apart(device, compiled):  # the update waits for the backward pass
             temps, acts = (temps, 0) if temps >= acts else (0, acts)
@@ -288,7 +287,9 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, use_fused_updates(device))
-        return [replace(r, activations=activations) for r in ranks]
+        extra = matmul_workspace(optimizer, device)
+        return [replace(r, activations=activations, temporaries=r.temporaries + extra)
+                for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))

@@ -55,6 +55,7 @@ from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
 from ..sharded_state import init_held
 from .buffers import reduce_buffers
+from .parts import tree_bytes
 from .sharding import bucket_bytes
 
 #: How the model is wrapped: each block and the root, or the whole model once.
@@ -77,6 +78,31 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     (measured on the CPU: there they met).
     """
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
+
+
+def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
+    """What the update adds to the backward pass's count where the two overlap.
+
+    On a GPU nothing paces the step: a block's update is queued as soon as
+    its reduce-scatter is, while the pass goes on, and MLX frees an old
+    parameter or state only once the GPU has finished the command buffer
+    that last read it. On one H100 (2026-11-26, ``bench_plan_phases.py``, two
+    MLP layers of 512 with SGD, resharded) the whole step peaked at 15.08
+    MB, the pass and the update alone at 9.81 and 5.32 MB: each phase whole,
+    side by side. So on a GPU the pass is counted with the new parameters and
+    state, and the gradients, of the blocks in flight
+    (:data:`BLOCKS_ALIVE`, this rank's share of the largest; the root's
+    update comes after the pass). An empty dict elsewhere.
+    """
+    if device != "gpu":
+        return {}
+    blocks = sorted((sum(a.nbytes for b in plan.buckets
+                         for _, a in layout.held_of(b, [a for _, a in own], rank))
+                     for prefix, plan, own in units.plans if prefix), reverse=True)
+    share = sum(blocks[:BLOCKS_ALIVE[device]]) / max(held["parameters"], 1)
+    new = share * (held["parameters"] + tree_bytes(held["optimizer"]))
+    return {"communication": units.communication + int(share * gradients),
+            "new_parameters": int(new)}
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
