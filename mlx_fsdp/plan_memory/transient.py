@@ -75,7 +75,7 @@ class Profile(NamedTuple):
 #: (4 MiB before), kept until the GPU finishes its command buffer. On one
 #: H100 (mlx-cuda 0.32.4, 2026-11-26) ``ddp_step`` with Muon on an MLP of 256
 #: peaked at 95.98 MiB at N=2 and N=4 alike, against 12.1 MiB counted
-#: without it; ``fsdp_step`` at N=4, 14.9 MiB above. So three workspaces
+#: without it; ``fsdp_step`` at N=4, 15.9 MiB above. So three workspaces
 #: (one Newton-Schulz iteration's products) are counted on a GPU, the one
 #: point measured; Metal has no such workspace, and errs on the safe side.
 MUON_GPU_WORKSPACE = 3 * 32 * 2**20
