@@ -14,6 +14,7 @@
 #   if the machine gets only the checkout); "-" skips it.
 #   TEST_FILE: names under tests/, e.g. test_fully_shard.py; none runs no tests.
 #   SMALL=1 shrinks every model (a dry run on the CPU).
+#   BENCH=0 skips bench_step (a rerun of test files alone).
 #   JOBS=K runs up to K test files at once (16 cores, one GPU: the tests
 #   are small, and the lease is short); each file's output lands whole.
 set -u
@@ -52,12 +53,14 @@ if [ "$yard" != - ]; then
     ranks 45 "$yard" --dims 256 --layers 4 --heads 4 --seq 32 --batch 4 --steps 20 2>&1 \
         | tee -a "$out/yard.txt"
 fi
-echo "== bench_step, GPT" | tee "$out/step.txt"
-ranks 170 "$here/bench_step.py" --model gpt $gpt $fully --markdown "$out/step_gpt.md" 2>&1 \
-    | tee -a "$out/step.txt"
-echo "== bench_step, MLP" | tee -a "$out/step.txt"
-ranks 75 "$here/bench_step.py" $mlp $fully --markdown "$out/step_mlp.md" 2>&1 \
-    | tee -a "$out/step.txt"
+if [ "${BENCH:-1}" != 0 ]; then
+    echo "== bench_step, GPT" | tee "$out/step.txt"
+    ranks 170 "$here/bench_step.py" --model gpt $gpt $fully --markdown "$out/step_gpt.md" 2>&1 \
+        | tee -a "$out/step.txt"
+    echo "== bench_step, MLP" | tee -a "$out/step.txt"
+    ranks 75 "$here/bench_step.py" $mlp $fully --markdown "$out/step_mlp.md" 2>&1 \
+        | tee -a "$out/step.txt"
+fi
 
 # The harness turns TF32 off for every rank; here too, for the test process.
 export MLX_ENABLE_TF32=0

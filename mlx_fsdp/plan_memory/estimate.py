@@ -45,7 +45,7 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .transient import matmul_workspace, temporaries
+from .transient import temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
 from .parts import RankMemory, tree_bytes
@@ -93,7 +93,8 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-               master_dtype: Optional[mx.Dtype], accumulation: str) -> RankMemory:
+               master_dtype: Optional[mx.Dtype], accumulation: str,
+               device: str = "cpu") -> RankMemory:
     """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
@@ -103,17 +104,17 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=comm, new_parameters=new,
-        temporaries=temporaries(name, flat, master_dtype),
+        temporaries=temporaries(name, flat, master_dtype, device=device),
     )
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                 master_dtype: Optional[mx.Dtype], accumulation: str,
-                reduce_scatter: Optional[str] = None, compiled: bool = False) -> List[RankMemory]:
+                reduce_scatter: Optional[str] = None, device: str = "cpu") -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
-                           master_dtype, accumulation)]
+                           master_dtype, accumulation, device)]
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     grads = tree_bytes(dict(flat))
     out = []
@@ -129,7 +130,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             communication=comm, new_parameters=new,
             # and the division by N's copy of what this rank reduced, and one
             # more bucket vector that MLX's run-ahead packs before the last is freed
-            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype, compiled)
+            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype,
+                                    use_fused_updates(device), device)
             + pieces + max(b.vector for b in state["buckets"]),
         ))
     return out
@@ -151,7 +153,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         trained = set(trainable)
         flat = [(p, a) for p, a in floating if p in trained]
         return [replace(ddp_memory(name, flat, param_bytes, 1, communication_size,
-                                   master_dtype, accumulation), activations=activations)]
+                                   master_dtype, accumulation, device), activations=activations)]
     make_optimizer = lambda: optimizers.make(name)  # noqa: E731
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
@@ -166,8 +168,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
-        temps = (temporaries(name, held["pieces"], master_dtype, use_fused_updates(device))
-                 + matmul_workspace(name, device))
+        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device), device)
         backward = dict(common, communication=units.communication, new_parameters=0,
                         gathered=units.gathered, full_gradients=units.full_gradients)
         update = dict(common, communication=grads, new_parameters=held["largest"])
@@ -283,13 +284,11 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         if mode == "ddp":
             local = "none" if accumulation == "none" else "local"
             ranks = [ddp_memory(optimizer, flat, param_bytes, world_size,
-                                communication_size, master, local)]
+                                communication_size, master, local, device)]
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
-                                master, accumulation, reduce_scatter, use_fused_updates(device))
-        extra = matmul_workspace(optimizer, device)
-        return [replace(r, activations=activations, temporaries=r.temporaries + extra)
-                for r in ranks]
+                                master, accumulation, reduce_scatter, device)
+        return [replace(r, activations=activations) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))

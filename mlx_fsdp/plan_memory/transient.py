@@ -42,8 +42,19 @@ so about :data:`CHAINS` updates are under way at once, each holding its
 outputs when it queues them, so the ``total`` of the updates those
 operations belong to (largest first, a fraction of the last) can be alive
 too. Both constants are CPU measurements (mlx 0.32.4: ``10`` scheduler
-tasks of ``10`` dispatches, two dispatches per operation); on a GPU, Metal
-command buffers bound the same run-ahead and they are an assumption.
+tasks of ``10`` dispatches, two dispatches per operation), and an update
+compiled on a GPU, measured below, stays within them.
+
+An eager update on a GPU runs ahead further: MLX frees a GPU array's
+buffer only once the command buffer that used it has finished, and the
+main thread waits for the GPU only when more than 10 command buffers are
+under way; so about
+:data:`GPU_IN_FLIGHT_OPS` operations' outputs can be alive at once. On one
+H100 (mlx-cuda 0.32.4, 2026-11-27, ``bench_plan_memory.py --hidden 256``
+at N=2 and N=4), ``ddp_step`` with AdamW, Adam, Lion and Adafactor peaked
+at up to 1.32x the plan with the CPU's window and at 0.75-0.95x the plan
+with this one; ``fsdp_step``, whose update is compiled there, at
+0.59-0.95x the plan with the CPU's window.
 """
 
 import math
@@ -55,6 +66,13 @@ from .optimizers import muon_filter
 #: independent products of a held array, each followed by a sum that frees
 #: it, left 25 products allocated at once whatever their number (50 ops).
 IN_FLIGHT_OPS = 50
+
+#: Operations an eager update on a GPU can have queued: MLX's main thread
+#: waits once more than 10 command buffers are unfinished (``MAX_ACTIVE_TASKS``
+#: in mlx/transforms.cpp), so 11 committed and one being filled, of up to 20
+#: operations each on CUDA (``MLX_MAX_OPS_PER_BUFFER``; Metal's default
+#: depends on the chip, and 20 is an assumption there).
+GPU_IN_FLIGHT_OPS = 12 * 20
 
 #: Updates under way at once, each holding its ``live`` bytes: fitted to
 #: ``benchmarks/bench_plan_memory.py`` on the CPU (the BFS width over an
@@ -167,17 +185,18 @@ class _Shape(NamedTuple):
         return len(self.shape)
 
 
-def in_flight(updates: Sequence[Update]) -> Tuple[int, int]:
+def in_flight(updates: Sequence[Update], window: int = IN_FLIGHT_OPS) -> Tuple[int, int]:
     """``(chains, ahead)``: the bytes of updates under way side by side, and of
     the ones the main thread queued ahead of the worker (see the module docstring).
 
     ``chains``: the ``live`` bytes of the :data:`CHAINS` largest updates;
     ``ahead``: the ``total`` bytes of the largest updates until their
-    operations make :data:`IN_FLIGHT_OPS` (the last one in proportion).
+    operations make ``window`` (the last one in proportion). Default:
+    :data:`IN_FLIGHT_OPS`.
     """
     live = sorted((u.live for u in updates), reverse=True)
     chains = sum(live[:CHAINS])
-    ahead, left = 0, IN_FLIGHT_OPS
+    ahead, left = 0, window
     for u in sorted(updates, key=lambda u: -u.total):
         if left <= 0:
             break
@@ -195,7 +214,7 @@ def costs(optimizer: str, pieces: Sequence[Tuple[str, Sequence[int], int]],
 
 
 def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
-                compiled: bool = False) -> int:
+                compiled: bool = False, device: str = "cpu") -> int:
     """Bytes of the optimizer's temporaries alive at once in one rank's step.
 
     Args:
@@ -205,11 +224,14 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
         master_dtype (Dtype, optional): The masters' dtype. Default: ``None``.
         compiled (bool): The step compiles its update (``fsdp_step`` on a
             GPU, :func:`mlx_fsdp.fused.use_fused_updates`). Default: ``False``.
+        device (str): ``"cpu"`` or ``"gpu"``, where the step runs. Default: ``"cpu"``.
 
     Returns:
-        int: ``chains + ahead`` of :func:`in_flight`.
+        int: ``chains + ahead`` of :func:`in_flight` (an eager update on a
+        GPU over :data:`GPU_IN_FLIGHT_OPS`), and :func:`matmul_workspace`.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
-    chains, ahead = in_flight(costs(optimizer, [(p, tuple(a.shape), a.dtype.size)
-                                                for p, a in pieces], master_size, compiled))
-    return chains + ahead
+    updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
+                    master_size, compiled)
+    window = GPU_IN_FLIGHT_OPS if device == "gpu" and not compiled else IN_FLIGHT_OPS
+    return sum(in_flight(updates, window)) + matmul_workspace(optimizer, device)
