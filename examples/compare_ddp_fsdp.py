@@ -6,7 +6,7 @@ update sharded); fully sharded (``fully_shard`` on every block and the whole
 model, then ``fsdp_step``: the parameters and gradients sharded too); then
 DDP again. They run one after the other, so each mode's peak memory is its
 own. By default the model is a 3.7M-parameter GPT (width 384, 2 blocks) on
-global batches of 8 rows of 16 bytes, 30 steps of AdamW at 5e-4: its
+global batches of 4 rows of 16 bytes, 30 steps of AdamW at 5e-4: its
 parameters, gradients and optimizer state, not its activations, fill most
 of a rank's memory, so the sharded modes' saving shows in the peak. The second DDP run measures the noise floor: where reductions are not
 bitwise deterministic (GPUs), two DDP runs of one configuration drift apart,
@@ -58,8 +58,10 @@ def parse_args(argv=None):
     lm.add_training_args(p)
     # A wide, shallow model on short rows: its parameters and optimizer state,
     # not its activations, fill the memory, so the sharded modes' saving shows
-    # (train.py's defaults are activation-bound: 0.13M parameters).
-    p.set_defaults(steps=30, dims=384, layers=2, batch_size=8, seq_len=16)
+    # (train.py's defaults are activation-bound: 0.13M parameters). Four
+    # rows keep the four runs near 90 s on 2 CPU cores, where mlx's Linux
+    # wheel multiplies through the reference BLAS (8 rows took about 170 s).
+    p.set_defaults(steps=30, dims=384, layers=2, batch_size=4, seq_len=16)
     args = p.parse_args(argv)
     if args.learning_rate is None and args.optimizer == "adamw":
         args.learning_rate = 5e-4  # AdamW's 3e-3 makes this wider model's first steps climb
