@@ -48,13 +48,13 @@ compiled on a GPU, measured below, stays within them.
 An eager update on a GPU runs ahead further: MLX frees a GPU array's
 buffer only once the command buffer that used it has finished, and the
 main thread waits for the GPU only when more than 10 command buffers are
-under way; so about
-:data:`GPU_IN_FLIGHT_OPS` operations' outputs can be alive at once. On one
-H100 (mlx-cuda 0.32.4, 2026-11-27, ``bench_plan_memory.py --hidden 256``
-at N=2 and N=4), ``ddp_step`` with AdamW, Adam, Lion and Adafactor peaked
-at up to 1.32x the plan with the CPU's window and at 0.75-0.95x the plan
-with this one; ``fsdp_step``, whose update is compiled there, at
-0.59-0.95x the plan with the CPU's window.
+under way; so the outputs of about :data:`GPU_IN_FLIGHT_OPS` operations
+can be alive at once. On one H100 (mlx-cuda 0.32.4, 2026-11-27,
+``bench_plan_memory.py --hidden 256`` at N=2 and N=4), ``ddp_step`` with
+AdamW, Adam, Lion and Adafactor peaked at up to 1.32x the plan with the
+CPU's window and at 0.75-0.95x the plan with this one; ``fsdp_step``,
+whose update is compiled there, at 0.59-0.95x the plan with the CPU's
+window.
 """
 
 import math
