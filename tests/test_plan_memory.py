@@ -602,7 +602,8 @@ H100_PEAKS = [
     ("mlp", ["--hidden", "256"], "muon", "ddp", 4, False, 100647960),
     ("mlp", ["--hidden", "256", "--communication-size", "65536"], "muon", "fsdp", 4, False,
      25950456),
-    ("mlp", ["--layers", "2", "--hidden", "512"], "sgd", "fully_shard", 2, True, 15075496),
+    ("mlp", ["--layers", "2", "--hidden", "512"], "sgd", "fully_shard", 2, True,
+     15075496),  # 13.4 MB planned
     # An eager update on a GPU frees nothing until its command buffers finish.
     ("mlp", ["--hidden", "256"], "adafactor", "ddp", 2, False, 8464104),  # 7.1 MB planned
     ("gpt", ["--hidden", "256"], "adamw", "ddp", 4, False, 16582472),  # 14.9 MB
