@@ -21,7 +21,7 @@ class ReplicatedOptimizer(DistributedOptimizer):
 
     def _step(self, gradients, parameters):
         return replicated_step(self.options, self.optimizer, self._state, gradients, parameters,
-                               dog=self._dog)
+                               dog=self._dog, fused=self._fused)
 
     def init(self, parameters):
         """Initialize the full optimizer state (as the wrapped optimizer does)."""

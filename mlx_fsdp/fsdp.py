@@ -7,7 +7,6 @@ from mlx.utils import tree_unflatten
 
 from . import control, master
 from ._trees import match
-from .fused import FusedUpdates, use_fused_updates
 from .options import make_options
 from .fully_sharded.model import step_plan
 from .placement import sub_optimizers
@@ -45,7 +44,6 @@ class ShardedOptimizer(DistributedOptimizer):
         # the first step may rebuild for its own tree (init may have seen
         # frozen arrays); a state that has stepped or was loaded may not.
         self._fresh = True
-        self._fused = FusedUpdates() if use_fused_updates() else None
 
     @property
     def plan(self) -> Plan:
@@ -123,7 +121,6 @@ class ShardedOptimizer(DistributedOptimizer):
         """
         floating = _floating(parameters)
         self._fresh = True
-        self._fused = FusedUpdates() if use_fused_updates() else None
         if self.options.world_size == 1:
             tree = {p: a for p, a in floating}
             steps = master.initial(list(tree), list(tree.values()), self._state["master"],

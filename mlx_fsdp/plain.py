@@ -62,7 +62,7 @@ def apply_optimizer(optimizer, gradients: Any, parameters: Any, masters: dict,
 
 
 def replicated_step(opts, optimizer, state, gradients, parameters, *,
-                    dog=None) -> Tuple[Optional[Any], Optional[mx.array]]:
+                    dog=None, fused=None) -> Tuple[Optional[Any], Optional[mx.array]]:
     """One step with the whole optimizer state on every rank.
 
     Gradients are accumulated (``grad_accumulation_steps``), averaged over
@@ -103,7 +103,8 @@ def replicated_step(opts, optimizer, state, gradients, parameters, *,
     if opts.max_norm is not None:
         gradients, norm = clip.clip_tree(gradients, opts.max_norm)
         state["grad_norm"] = accumulate.select(finish, norm, state["grad_norm"])
-    new = apply_optimizer(optimizer, gradients, parameters, state["master"], opts.master_dtype, finish)
+    new = apply_optimizer(optimizer, gradients, parameters, state["master"], opts.master_dtype,
+                          finish, fused)
     return accumulate.select(finish, new, like(gradients, flat_params)), norm
 
 

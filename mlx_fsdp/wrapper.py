@@ -14,6 +14,7 @@ from mlx.utils import tree_map
 
 from . import state as _state
 from . import ending, watchdog
+from .fused import FusedUpdates, use_fused_updates
 from ._trees import like, match
 from .options import Options, check_new_learning_rate
 from .placement import sub_optimizers
@@ -36,6 +37,9 @@ class DistributedOptimizer:
         # One process has nothing to wait for: no watchdog, exactly plain MLX.
         distributed = options.world_size > 1
         self._dog = watchdog.get(options.timeout, options.group.rank()) if distributed else None
+        # Both steps compile their update alike (on a GPU, see mlx_fsdp.fused),
+        # so that they round alike: MLX's compiled GPU kernels fuse multiply-adds.
+        self._fused = FusedUpdates() if distributed and use_fused_updates() else None
         ending.register(options.group, options.dp_group)
         self._clipped = False
 

@@ -27,10 +27,14 @@ def _configs(bf16):
             + [f"{o}:-1:33554432:{bf16}" for o in OPTIMIZERS])
 
 
-def _check(results, vs_reference=True):
+def _check(results, vs_reference=True, compiled=None):
     assert len(results) == 3 * len(OPTIMIZERS)
     for r in results:
         cfg, whole = r["config"], json.dumps(r, default=str)  # a repr is cut short in reports
+        # Both steps compile their update, or neither (a GPU rounds otherwise compiled).
+        calls = r["compiled_updates"]
+        assert (calls["fsdp"] > 0) == (calls["ddp"] > 0), whole
+        assert compiled is None or (calls["fsdp"] > 0) == compiled, whole
         assert r["fsdp_ddp_f32"] <= F32_TOL, whole
         assert r["fsdp_ddp_bf16"] <= BF16_ULP_AT_ONE, whole
         if vs_reference:
@@ -76,7 +80,8 @@ def test_parity_with_the_compiled_update(n, bf16):
     # The optimizer update compiled, as fsdp_step does where arrays live on a
     # GPU, against ddp_step's eager one; at N=2 with a bfloat16 part, whose
     # roundings a fused kernel must not move.
-    _check(run_ranks(n, "parity.py", [3, *_configs(bf16)], env={"MLX_FSDP_FUSED_UPDATE": "1"}))
+    _check(run_ranks(n, "parity.py", [3, *_configs(bf16)], env={"MLX_FSDP_FUSED_UPDATE": "1"}),
+           compiled=True)
 
 
 @pytest.mark.parametrize("n", [3, 4])

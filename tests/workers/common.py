@@ -101,6 +101,29 @@ def reference_clip(grads, max_norm):
     return tree_map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
+def reference_update(optimizer, world):
+    """``optimizer.update`` as the steps at ``world`` ranks run it: compiled where they compile.
+
+    Both steps compile their update on a GPU (``mlx_fsdp.fused``), where
+    MLX's compiled kernels round otherwise than eager ones; the reference
+    compiles it there too, with plain ``mx.compile``.
+    """
+    from mlx_fsdp.fused import use_fused_updates
+
+    if world == 1 or not use_fused_updates():
+        return optimizer.update
+    compiled = []
+
+    def update(model, grads):
+        if not compiled:
+            optimizer.init(model.trainable_parameters())
+            state = [optimizer.state]
+            compiled.append(mx.compile(optimizer.apply_gradients, inputs=state, outputs=state))
+        model.update(compiled[0](grads, model.trainable_parameters()))
+
+    return update
+
+
 def max_diff(a, b, dtype=None):
     """Largest absolute difference over the leaves of two trees (optionally one dtype)."""
     worst = 0.0
