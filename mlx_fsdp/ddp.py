@@ -37,7 +37,9 @@ def ddp_step(optimizer, **options) -> ReplicatedOptimizer:
     Gradients are averaged with :func:`mlx.nn.average_gradients`, clipped by
     their global norm and given to the plain optimizer, whole, on every
     rank. Like ``fsdp_step``, every step first checks across ranks that all
-    ranks take the same step with the same gradient tree and settings.
+    ranks take the same step with the same gradient tree and settings, and
+    where ``fsdp_step`` compiles the update (a GPU; see
+    :mod:`mlx_fsdp.fused`) so does this, so that the two round alike.
 
     .. code-block:: python
 

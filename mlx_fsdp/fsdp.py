@@ -183,7 +183,10 @@ def fsdp_step(
 
     Element-wise optimizers update flat shards; shape-aware ones (Muon,
     Adafactor, unknown classes) whole arrays on owner ranks. Both are exact;
-    which optimizer gets which: docs/optimizers.md.
+    which optimizer gets which: docs/optimizers.md. On a GPU the update is
+    compiled (:mod:`mlx_fsdp.fused`), as in ``ddp_step`` there: MLX's
+    compiled kernels round otherwise than its eager ones, so both steps
+    compile alike; ``MLX_FSDP_FUSED_UPDATE=0`` keeps them eager.
 
     Args:
         optimizer (mlx.optimizers.Optimizer): Any MLX optimizer, or a
