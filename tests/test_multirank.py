@@ -77,9 +77,9 @@ def test_native_sum_scatter_path_through_an_emulated_sum_scatter(n):
 
 @pytest.mark.parametrize("n, bf16", [(2, 1), (3, 0)])
 def test_parity_with_the_compiled_update(n, bf16):
-    # The optimizer update compiled, as fsdp_step does where arrays live on a
-    # GPU, against ddp_step's eager one; at N=2 with a bfloat16 part, whose
-    # roundings a fused kernel must not move.
+    # Both steps' updates compiled, as on a GPU; on the CPU against the
+    # eager plain-MLX reference (compiled on a GPU, which rounds otherwise
+    # compiled); at N=2 with a bfloat16 part.
     _check(run_ranks(n, "parity.py", [3, *_configs(bf16)], env={"MLX_FSDP_FUSED_UPDATE": "1"}),
            compiled=True)
 

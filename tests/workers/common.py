@@ -11,6 +11,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_fsdp.fused import use_fused_updates
+
 IN = 15
 
 if os.environ.get("MLX_FSDP_TEST_EMULATE_SUM_SCATTER"):
@@ -102,15 +104,14 @@ def reference_clip(grads, max_norm):
 
 
 def reference_update(optimizer, world):
-    """``optimizer.update`` as the steps at ``world`` ranks run it: compiled where they compile.
+    """``optimizer.update``, compiled on a GPU where the steps at ``world`` ranks compile theirs.
 
     Both steps compile their update on a GPU (``mlx_fsdp.fused``), where
     MLX's compiled kernels round otherwise than eager ones; the reference
-    compiles it there too, with plain ``mx.compile``.
+    compiles it there too, with plain ``mx.compile``. On the CPU, where they
+    round alike, it stays eager: the steps' compiled updates are held to it.
     """
-    from mlx_fsdp.fused import use_fused_updates
-
-    if world == 1 or not use_fused_updates():
+    if world == 1 or not use_fused_updates() or mx.default_device() != mx.gpu:
         return optimizer.update
     compiled = []
 
