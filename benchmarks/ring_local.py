@@ -7,7 +7,11 @@ taken from the ranks: here (2 cores, ring N=2) one gradient computation of the
 4.2M-parameter MLP took 340-390 ms under ``mlx.launch`` and 195-200 ms under
 this script. The ranks are the same ring ranks either way: this script only
 writes the host file and sets ``MLX_HOSTFILE`` and ``MLX_RANK``, as
-``mlx.launch`` does, and lets the ranks print straight to the terminal.
+``mlx.launch`` does, and lets the ranks print straight to the terminal. As
+``mlx.launch`` does, a rank that exits with an error stops the others (SIGTERM,
+then SIGKILL after a grace period), so that they do not wait on it forever.
+The test suite starts its ring ranks through this script for the same reason
+(``tests/launch.py``).
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_step.py --steps 60
 """
@@ -18,10 +22,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def main(argv=None) -> int:
-    """Run the command on ``-n`` local ring ranks and return the worst exit code."""
+    """Run the command on ``-n`` local ring ranks; return the first failing rank's exit code, or 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--starting-port", type=int, default=32323,
@@ -37,9 +42,43 @@ def main(argv=None) -> int:
     try:
         procs = [subprocess.Popen(command, env=dict(os.environ, MLX_HOSTFILE=f.name, MLX_RANK=str(r)))
                  for r in range(args.n)]
-        return max(abs(proc.wait()) for proc in procs)
+        return _wait(procs)
     finally:
         os.unlink(f.name)
+
+
+#: Seconds a rank gets to exit after SIGTERM before it is killed.
+GRACE = 5.0
+
+
+def _wait(procs) -> int:
+    """Wait for every rank; once one fails, stop the rest. Return the first failure's code."""
+    failed = None
+    while any(p.poll() is None for p in procs):
+        if failed is None:
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is not None:
+                code = procs[failed].returncode
+                print(f"ring_local: rank {failed} exited with code {code}; stopping the other "
+                      "ranks", file=sys.stderr, flush=True)
+                _stop([p for p in procs if p.poll() is None])
+                continue
+        time.sleep(0.05)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    return 0 if failed is None else abs(procs[failed].returncode)
+
+
+def _stop(procs):
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + GRACE
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def mpi_env():
     env = dict(os.environ)
     if "MLX_MPI_LIBNAME" not in env:
         libs = glob.glob("/usr/lib/*/libmpi.so") + glob.glob("/usr/lib/*/libmpi.so.[0-9]*")
-        libs = [l for l in libs if "libmpi.so" in os.path.basename(l)]
+        libs = [lib for lib in libs if "libmpi.so" in os.path.basename(lib)]
         if libs:
             env["MLX_MPI_LIBNAME"] = os.path.basename(sorted(libs, key=len)[0])
     return env
@@ -61,20 +61,30 @@ def _free_ports(count: int) -> int:
     raise RuntimeError(f"found no {count} consecutive free TCP ports for the ring backend")
 
 
+#: Ring ranks start through this script, which sets what mlx.launch sets and,
+#: like it, stops the other ranks when one fails; mlx.launch's relay loop
+#: keeps a core busy for the whole job (see the script), which on 2 cores took
+#: half the suite's time. MLX_FSDP_TEST_MLX_LAUNCH=1 starts them through
+#: mlx.launch instead.
+RING_LOCAL = os.path.join(ROOT, "benchmarks", "ring_local.py")
+
 #: Set for every rank: exactness tests compare float32 results, and MLX's CUDA
 #: build runs float32 matmuls in TF32 unless told otherwise.
 RANK_ENV = {"MLX_ENABLE_TF32": "0"}
 
 
-def command(n: int, script: str, args, backend: str, env_keys=()):
+def command(n: int, script: str, args, backend: str, env_keys=(), mlx_launch=False):
     path = os.path.join(WORKERS, script)  # an absolute script path is kept as is
     if n == 1:  # one plain process: no launcher (mpirun -n 1 aborts at exit)
         return [sys.executable, path, *args]
-    if backend == "ring":
+    if backend == "ring" and (mlx_launch or os.environ.get("MLX_FSDP_TEST_MLX_LAUNCH") == "1"):
         launcher = _mlx_launch()
         if launcher is None:
             pytest.fail("mlx.launch was not found next to the Python interpreter or on PATH")
         return [launcher, "-n", str(n), "--backend", "ring", "--starting-port", str(_free_ports(n)),
+                "--", sys.executable, path, *args]
+    if backend == "ring":
+        return [sys.executable, RING_LOCAL, "-n", str(n), "--starting-port", str(_free_ports(n)),
                 "--", sys.executable, path, *args]
     if backend == "mpi":
         mpirun = shutil.which("mpirun")
@@ -86,13 +96,14 @@ def command(n: int, script: str, args, backend: str, env_keys=()):
     raise ValueError(f"backend={backend!r} must be 'ring' or 'mpi'")
 
 
-def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, extra_env=None):
+def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, extra_env=None,
+            mlx_launch=False):
     """Run ``script`` on ``n`` ranks; return (returncode, output, command) or fail on a hang."""
     env = mpi_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(RANK_ENV)
     env.update(extra_env or {})
-    cmd = command(n, script, [str(a) for a in args], backend, list(extra_env or {}))
+    cmd = command(n, script, [str(a) for a in args], backend, list(extra_env or {}), mlx_launch)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)
     lines = []
@@ -175,12 +186,13 @@ def run_ranks(n: int, script: str, args=(), *, backend: str = None, timeout: flo
 
 
 def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: float = 240,
-               cwd: str = ROOT, env: dict = None) -> str:
+               cwd: str = ROOT, env: dict = None, mlx_launch: bool = False) -> str:
     """Run any script (path relative to the repository root) on ``n`` ranks; return its output.
 
     ``n == 1`` runs it as one plain process. The launch must succeed; a hang
     fails the test with a ``HANG`` message, as in :func:`run_ranks`. ``env``:
-    extra environment variables for the script.
+    extra environment variables for the script. ``mlx_launch``: start ring
+    ranks through ``mlx.launch``, as a README command does.
     """
     path = os.path.join(ROOT, path)
     if n == 1:
@@ -195,7 +207,7 @@ def run_script(n: int, path: str, args=(), *, backend: str = None, timeout: floa
         code, out = proc.returncode, proc.stdout + proc.stderr
     else:
         backend = backend or ("ring" if n == 2 else "mpi")
-        code, out, cmd = _launch(n, path, args, backend, timeout, cwd, env)
+        code, out, cmd = _launch(n, path, args, backend, timeout, cwd, env, mlx_launch)
     if code != 0:
         pytest.fail(f"{os.path.basename(path)} on {n} rank(s) exited with {code}\n"
                     f"command: {' '.join(cmd)}\n--- output ---\n{out[-6000:]}")

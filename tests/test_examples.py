@@ -103,7 +103,7 @@ def test_train_loss_does_not_depend_on_the_number_of_ranks():
         assert a[4] == b[4] == c[4] > 0  # the same learning-rate schedule
         assert b[2] > 0 and b[3] > 0     # step ms, peak MiB
     assert one[-1][1] < one[0][1], "the loss must fall"
-    summary = [l for l in out2.splitlines() if l.startswith("done:")]
+    summary = [line for line in out2.splitlines() if line.startswith("done:")]
     assert len(summary) == 1 and "optimizer state" in summary[0] and "tok/s" in summary[0]
 
 
@@ -163,8 +163,8 @@ def test_train_resumes_from_a_checkpoint_at_another_world_size(tmp_path):
     saving = run_script(2, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
     assert sorted(os.listdir(ckpt)) == ["step_000002", "step_000004"]
     # Rank 0 alone names each checkpoint as it is written, after that step's line.
-    lines = [l.strip() for l in saving.splitlines()]
-    step_lines = [i for i, l in enumerate(lines) if PROGRESS.match(l)]  # one per step (--log-every 1)
+    lines = [line.strip() for line in saving.splitlines()]
+    step_lines = [i for i, line in enumerate(lines) if PROGRESS.match(line)]  # one per step (--log-every 1)
     for step in (2, 4):
         saved = f"[fsdp] saved {os.path.join(ckpt, f'step_{step:06d}')}"
         assert lines.count(saved) == 1, saving
@@ -185,7 +185,7 @@ def test_resuming_with_other_steps_warns_that_the_schedule_changed(tmp_path):
     run_script(1, "examples/train.py", ["--steps", 4, "--save-every", 2, *args])
     shutil.rmtree(os.path.join(ckpt, "step_000004"))
     out = run_script(1, "examples/train.py", ["--steps", 8, "--resume", *args])
-    warning = [l for l in out.splitlines() if "warning" in l]
+    warning = [line for line in out.splitlines() if "warning" in line]
     assert len(warning) == 1 and "the schedule's length differs from the saved run's" in warning[0]
     assert "--steps 4 -> 8" in warning[0] and "resume with --steps 4" in warning[0]
     # The run follows its own flags, as the warning says: 8 steps' schedule from step 3 on.
@@ -403,6 +403,31 @@ def test_ring_local_starts_real_ring_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["world_size"] == 2 and res["reduce_scatter_method"] == "exchange"
+
+
+def test_ring_local_stops_the_other_ranks_when_one_fails(tmp_path):
+    # As mlx.launch does: rank 1 exits with 3 while rank 0 waits on
+    # something that never ends; the job must end with rank 1's code.
+    import subprocess
+    import time
+
+    from launch import _free_ports
+
+    script = tmp_path / "one_fails.py"
+    script.write_text("import sys, mlx.core as mx\n"
+                      "g = mx.distributed.init()\n"
+                      "if g.rank() == 1:\n    sys.exit(3)\n"
+                      "import time; time.sleep(600)\n")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
+           "--starting-port", str(_free_ports(2)), "--", sys.executable, str(script)]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"HANG: ring_local did not stop rank 0 after rank 1 failed\n{e.stderr}")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "ring_local: rank 1 exited with code 3; stopping the other ranks" in proc.stderr
+    assert time.monotonic() - start < 30
 
 
 def test_ring_local_refuses_a_missing_command():
