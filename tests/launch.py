@@ -110,8 +110,12 @@ def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, e
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     start, aborted = time.monotonic(), None
-    while proc.poll() is None:
-        time.sleep(0.2)
+    while True:
+        try:
+            proc.wait(0.2)  # returns as soon as the job ends, where a sleep would not
+            break
+        except subprocess.TimeoutExpired:
+            pass
         now = time.monotonic()
         if aborted is None and any(_ABORTED in line for line in lines[-50:]):
             aborted = now

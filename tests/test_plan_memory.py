@@ -585,7 +585,8 @@ def test_the_compiled_update_a_gpu_runs_is_bounded_too(tmp_path):
     here on the CPU, where the planner reads the same switch. Compiled SGD
     writes its momentum and parameter anew: before the planner counted that,
     the MLP's SGD point under FSDP measured 2 KiB above the bound (2026-11-26).
-    Only ``fsdp_step`` reads the switch, so ``ddp_step``'s points are left to the grid."""
+    ``ddp_step`` reads the switch too (since 2026-11-27) but is planned as
+    eager (``mlx_fsdp/plan_memory/transient.py``): its points are left to the grid."""
     rows = _bench(2, tmp_path, "--hidden", "256", "--modes", "fsdp",
                   env={"MLX_FSDP_FUSED_UPDATE": "1"})
     assert len(rows) == 2 * len(optimizers.OPTIMIZERS)
