@@ -63,9 +63,9 @@ def _free_ports(count: int) -> int:
 
 #: Ring ranks start through this script, which sets what mlx.launch sets and,
 #: like it, stops the other ranks when one fails; mlx.launch's relay loop
-#: keeps a core busy for the whole job (see the script), which on 2 cores took
-#: half the suite's time. MLX_FSDP_TEST_MLX_LAUNCH=1 starts them through
-#: mlx.launch instead.
+#: keeps a core busy for the whole job (see the script): on 2 cores the suite
+#: took 10-12.5 minutes through it, 8 without (2026-11-27).
+#: MLX_FSDP_TEST_MLX_LAUNCH=1 starts them through mlx.launch instead.
 RING_LOCAL = os.path.join(ROOT, "benchmarks", "ring_local.py")
 
 #: Set for every rank: exactness tests compare float32 results, and MLX's CUDA
