@@ -430,6 +430,27 @@ def test_ring_local_stops_the_other_ranks_when_one_fails(tmp_path):
     assert time.monotonic() - start < 30
 
 
+def test_ring_local_keeps_each_ranks_lines_whole(tmp_path):
+    # Unbuffered, print writes a line's text and its newline apart; two ranks
+    # on one pipe then cut each other's lines (seen in the fault tests'
+    # messages). Every line must come out whole.
+    import subprocess
+
+    from launch import _free_ports
+
+    script = tmp_path / "chatty.py"
+    script.write_text("import os\nrank = os.environ['MLX_RANK']\n"
+                      "for i in range(3000):\n    print(f'rank {rank} line {i} ' + 'x' * 40)\n")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
+           "--starting-port", str(_free_ports(2)), "--", sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    expected = {f"rank {r} line {i} " + "x" * 40 for r in (0, 1) for i in range(3000)}
+    assert len(lines) == len(expected) and set(lines) == expected
+
+
 def test_ring_local_refuses_a_missing_command():
     import subprocess
 
