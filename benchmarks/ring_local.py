@@ -84,17 +84,19 @@ def _wait(procs) -> int:
     failed = None
     while any(p.poll() is None for p in procs):
         if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            failed = _first_failure(procs)
             if failed is not None:
-                code = procs[failed].returncode
-                print(f"ring_local: rank {failed} exited with code {code}; stopping the other "
-                      "ranks", file=sys.stderr, flush=True)
+                print(f"ring_local: rank {failed} exited with code {procs[failed].returncode}; "
+                      "stopping the other ranks", file=sys.stderr, flush=True)
                 _stop([p for p in procs if p.poll() is None])
-                continue
         time.sleep(0.05)
-    if failed is None:
-        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    failed = _first_failure(procs) if failed is None else failed
     return 0 if failed is None else abs(procs[failed].returncode)
+
+
+def _first_failure(procs):
+    """The lowest rank that has exited with an error, or None."""
+    return next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
 
 
 def _stop(procs):

@@ -384,18 +384,22 @@ def test_bench_collectives_two_ranks(tmp_path):
     assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in rows)
 
 
+def ring_local(*command):
+    """``benchmarks/ring_local.py`` on 2 ranks at a free port block, running ``command``."""
+    from launch import _free_ports
+
+    return [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
+            "--starting-port", str(_free_ports(2)), "--", sys.executable, *command]
+
+
 def test_ring_local_starts_real_ring_ranks(tmp_path):
     # benchmarks/ring_local.py replaces mlx.launch for timing: the ranks it
     # starts must form one ring group of the asked size and finish cleanly.
     import subprocess
 
-    from launch import _free_ports
-
     out = tmp_path / "c.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
-           "--starting-port", str(_free_ports(2)), "--", sys.executable,
-           os.path.join(ROOT, "benchmarks", "bench_collectives.py"),
-           "--min-size", "4096", "--max-size", "4096", "--iters", "2", "--json", str(out)]
+    cmd = ring_local(os.path.join(ROOT, "benchmarks", "bench_collectives.py"),
+                     "--min-size", "4096", "--max-size", "4096", "--iters", "2", "--json", str(out))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
@@ -411,15 +415,12 @@ def test_ring_local_stops_the_other_ranks_when_one_fails(tmp_path):
     import subprocess
     import time
 
-    from launch import _free_ports
-
     script = tmp_path / "one_fails.py"
     script.write_text("import sys, mlx.core as mx\n"
                       "g = mx.distributed.init()\n"
                       "if g.rank() == 1:\n    sys.exit(3)\n"
                       "import time; time.sleep(600)\n")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
-           "--starting-port", str(_free_ports(2)), "--", sys.executable, str(script)]
+    cmd = ring_local(str(script))
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -436,13 +437,10 @@ def test_ring_local_keeps_each_ranks_lines_whole(tmp_path):
     # messages). Every line must come out whole.
     import subprocess
 
-    from launch import _free_ports
-
     script = tmp_path / "chatty.py"
     script.write_text("import os\nrank = os.environ['MLX_RANK']\n"
                       "for i in range(3000):\n    print(f'rank {rank} line {i} ' + 'x' * 40)\n")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_local.py"), "-n", "2",
-           "--starting-port", str(_free_ports(2)), "--", sys.executable, str(script)]
+    cmd = ring_local(str(script))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
