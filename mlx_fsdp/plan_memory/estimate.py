@@ -33,8 +33,7 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
   GPU's matmul workspaces (:mod:`mlx_fsdp.plan_memory.transient`);
 * **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`).
 
-The **peak** is their sum, an upper bound of one training step
-(``benchmarks/bench_plan_memory.py`` measures the margin).
+The **peak** is their sum, an upper bound of one step (``benchmarks/bench_plan_memory.py``).
 """
 
 import math
@@ -45,6 +44,7 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
+from .phases import pass_spare, phases_apart, update_during_backward
 from .transient import temporaries
 from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
                       resolve_reduce_scatter)
@@ -169,19 +169,20 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device), device)
+        apart = phases_apart(device, compiled)
+        spare = pass_spare(units, activations) if apart else (0, 0)
         backward = dict(common, communication=units.communication, new_parameters=0,
-                        gathered=units.gathered, full_gradients=units.full_gradients)
+                        gathered=units.gathered + spare[0],
+                        full_gradients=units.full_gradients + spare[1])
         update = dict(common, communication=grads, new_parameters=held["largest"])
-        if phases:  # each alone: the pass's activations, the update's temporaries
-            out.append((RankMemory(**backward, activations=activations),
-                        RankMemory(**update, temporaries=temps)))
+        if phases or apart:  # each alone: the pass's activations, the update's temporaries
+            pair = (RankMemory(**backward, activations=activations),
+                    RankMemory(**update, temporaries=temps))
+            out.append(pair if phases else max(pair, key=lambda r: r.peak))
             continue
-        backward.update(fully.update_during_backward(device, held, grads, units, rank))
-        acts = activations
-        if fully.phases_apart(device, compiled):  # the update waits for the backward pass
-            temps, acts = (temps, 0) if temps >= acts else (0, acts)
-        out.append(max(RankMemory(**backward, temporaries=temps, activations=acts),
-                       RankMemory(**update, temporaries=temps, activations=acts),
+        backward.update(update_during_backward(device, held, grads, units, rank))
+        out.append(max(RankMemory(**backward, temporaries=temps, activations=activations),
+                       RankMemory(**update, temporaries=temps, activations=activations),
                        key=lambda r: r.peak))  # a tie: the backward pass
     return out
 
@@ -245,7 +246,7 @@ def estimate_ranks(
             backward pass and its update each counted alone, the one with
             the activations, the other with the temporaries
             (``benchmarks/bench_plan_phases.py`` measures them so), instead
-            of the peak. Default: ``False``.
+            of the peak (on the CPU, the fuller of the two). Default: ``False``.
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;

@@ -38,10 +38,11 @@ phases:
   shard.
 
 Given a batch, the **activations** are added, and the optimizer's
-**temporaries**, as in the other modes (:mod:`mlx_fsdp.plan_memory.estimate`),
-except on the CPU: there the update waits for the whole backward pass
-(:func:`phases_apart`), so the two are never alive together and only the
-larger is counted (the other is 0 in the table). docs/memory-planner.md
+**temporaries**, to both phases, as in the other modes
+(:mod:`mlx_fsdp.plan_memory.estimate`), except on the CPU: there the update
+waits for the whole backward pass (:func:`mlx_fsdp.plan_memory.phases.phases_apart`), so the pass is
+counted with its activations and the update with its temporaries, each
+alone (the parts of the other phase are 0 in the table). docs/memory-planner.md
 states the margin measured against ``mx.get_peak_memory``.
 """
 
@@ -49,13 +50,12 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import layout, pace
+from .. import layout
 from ..fully_sharded.model import model_plan
 from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
 from ..sharded_state import init_held
 from .buffers import reduce_buffers
-from .parts import tree_bytes
 from .sharding import bucket_bytes
 
 #: How the model is wrapped: each block and the root, or the whole model once.
@@ -63,46 +63,11 @@ WRAPS = ("blocks", "model")
 
 #: With ``reshard_after_forward``, the blocks whose gathered parameters and full
 #: gradients are counted alive at once, by device (see :func:`cut`). On the CPU,
-#: where evaluation is paced at every block (:mod:`mlx_fsdp.pace`), one was
-#: enough at every point measured; three before the pacing. On a GPU it is
-#: not measured, and the count from before the pacing stands.
+#: where evaluation is paced at every block (:mod:`mlx_fsdp.pace`), one, and
+#: one more for the pass alone (:func:`mlx_fsdp.plan_memory.phases.pass_spare`);
+#: three before the pacing. On a GPU it is not measured, and the count from
+#: before the pacing stands.
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
-
-
-def phases_apart(device: str, compiled: bool = False) -> bool:
-    """Whether the update's temporaries and the pass's activations are never alive together.
-
-    On the CPU the step's update waits for the whole backward pass
-    (:func:`mlx_fsdp.pace.after_queue`), so only the larger of the two is
-    counted; on a GPU, unpaced, both are, and so for a step compiled whole
-    (measured on the CPU: there they met).
-    """
-    return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
-
-
-def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
-    """What the update adds to the backward pass's count where the two overlap.
-
-    On a GPU nothing paces the step: a block's update is queued as soon as
-    its reduce-scatter is, while the pass goes on, and MLX frees an old
-    parameter or state only once the GPU has finished the command buffer
-    that last read it. On one H100 (2026-11-26, ``bench_plan_phases.py``, two
-    MLP layers of 512 with SGD, resharded) the whole step peaked at 15.08
-    MB, the pass and the update alone at 9.81 and 5.32 MB: each phase whole,
-    side by side. So on a GPU the pass is counted with the new parameters and
-    state, and the gradients, of the blocks in flight
-    (:data:`BLOCKS_ALIVE`, this rank's share of the largest; the root's
-    update comes after the pass). An empty dict elsewhere.
-    """
-    if device != "gpu":
-        return {}
-    blocks = sorted((sum(a.nbytes for b in plan.buckets
-                         for _, a in layout.held_of(b, [a for _, a in own], rank))
-                     for prefix, plan, own in units.plans if prefix), reverse=True)
-    share = sum(blocks[:BLOCKS_ALIVE[device]]) / max(held["parameters"], 1)
-    new = share * (held["parameters"] + tree_bytes(held["optimizer"]))
-    return {"communication": units.communication + int(share * gradients),
-            "new_parameters": int(new)}
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
@@ -156,6 +121,10 @@ class Units(NamedTuple):
         gathered (int): Bytes of the full parameters alive at once.
         full_gradients (int): Bytes of the largest block's or the root's full gradients.
         communication (int): Reduce-scatter buffers of the largest bucket.
+        spare (tuple): ``(gathered, full gradients)`` of one more block, the
+            largest: what the CPU's pass alone was measured to hold beyond
+            the count (:func:`mlx_fsdp.plan_memory.phases.pass_spare`).
+        resharded (bool): Blocks are counted resharded after their forward pass.
     """
 
     plans: list
@@ -164,6 +133,8 @@ class Units(NamedTuple):
     gathered: int
     full_gradients: int
     communication: int
+    spare: Tuple[int, int]
+    resharded: bool
 
 
 def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
@@ -184,7 +155,8 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     """
     trained = set(trainable)
     plans, gathered, loads = [], [], ()
-    for prefix, indices in split([p for p, _ in flat], wrap):
+    parts = split([p for p, _ in flat], wrap)
+    for prefix, indices in parts:
         own = [(flat[i][0][len(prefix):], flat[i][1]) for i in indices]
         # fully_shard's own rule, owners balanced over the units as it balances them
         plan = module_plan(own, [p for p, _ in own if prefix + p in trained], optimizer,
@@ -206,7 +178,10 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         alive = sum(kept for _, kept, _ in gathered) + max((extra for _, _, extra in gathered),
                                                          default=0)
     grads = {prefix: sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
-             for prefix, indices in split([p for p, _ in flat], wrap)}
+             for prefix, indices in parts}
+    spare = max(((sum(flat[i][1].nbytes for i in indices), grads[prefix])
+                 for prefix, indices in parts if prefix),
+                key=sum, default=(0, 0))
     if ahead:  # the root's until the end of the backward pass, and the blocks' in flight
         full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE[device]])
     else:  # a unit's until its reduce-scatter, the root's until the end
@@ -221,7 +196,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
     step = model_plan(flat_grads, [a for _, a in flat_grads], optimizer, world_size, 0, None,
                       modules)
-    return Units(plans, trained, step, alive, full, comm)
+    return Units(plans, trained, step, alive, full, comm, spare, bool(ahead))
 
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:

@@ -3,7 +3,8 @@
 from . import fit, shapes
 from .buffers import BACKENDS, default_communication_size
 from .estimate import shape_only
-from .fully import BLOCKS_ALIVE, phases_apart
+from .fully import BLOCKS_ALIVE
+from .phases import phases_apart
 from .report import LABELS, describe, gib, table, verdicts
 
 
@@ -43,8 +44,8 @@ def header_tail(args) -> list:
                + (" or fully_shard's forward and backward pass (gathered, full grads), "
                   "whichever is fuller," if "fully_shard" in args.mode else ",")
                + " temporaries (temps) and activations (acts) included"
-               + (" (fully_shard: only the larger, as the update waits for the backward pass "
-                  "here)" if "fully_shard" in args.mode
+               + (" (fully_shard: the pass with the acts, the update with the temps, as the "
+                  "update waits for the pass here)" if "fully_shard" in args.mode
                   and phases_apart(args.device, getattr(args, "compiled", False)) else "")
                + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"

@@ -1,0 +1,71 @@
+"""How the two phases of a fully sharded step meet, by device: what one counts of the other.
+
+A fully sharded step has two phases (:mod:`mlx_fsdp.plan_memory.fully`):
+the forward and backward pass, with the gathers, the full gradients and the
+activations, and the update, with the optimizer's temporaries. Whether
+they overlap depends on who paces evaluation: on the CPU the update waits
+for the pass (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
+"""
+
+from typing import Tuple
+
+from .. import layout, pace
+from .fully import BLOCKS_ALIVE, Units
+from .parts import tree_bytes
+
+
+def phases_apart(device: str, compiled: bool = False) -> bool:
+    """Whether the update's temporaries and the pass's activations are never alive together.
+
+    On the CPU the step's update waits for the whole backward pass
+    (:func:`mlx_fsdp.pace.after_queue`), so each phase is counted alone: the
+    pass with the activations (and :func:`pass_spare`), the update with the
+    temporaries. On a GPU, unpaced, both phases count both, and so does a
+    step compiled whole (measured on the CPU: there they met).
+    """
+    return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
+
+
+def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
+    """What the update adds to the backward pass's count where the two overlap.
+
+    On a GPU nothing paces the step: a block's update is queued as soon as
+    its reduce-scatter is, while the pass goes on, and MLX frees an old
+    parameter or state only once the GPU has finished the command buffer
+    that last read it. On one H100 (2026-11-26, ``bench_plan_phases.py``, two
+    MLP layers of 512 with SGD, resharded) the whole step peaked at 15.08
+    MB, the pass and the update alone at 9.81 and 5.32 MB: each phase whole,
+    side by side. So on a GPU the pass is counted with the new parameters and
+    state, and the gradients, of the blocks in flight
+    (:data:`BLOCKS_ALIVE`, this rank's share of the largest; the root's
+    update comes after the pass). An empty dict elsewhere.
+    """
+    if device != "gpu":
+        return {}
+    blocks = sorted((sum(a.nbytes for b in plan.buckets
+                         for _, a in layout.held_of(b, [a for _, a in own], rank))
+                     for prefix, plan, own in units.plans if prefix), reverse=True)
+    share = sum(blocks[:BLOCKS_ALIVE[device]]) / max(held["parameters"], 1)
+    new = share * (held["parameters"] + tree_bytes(held["optimizer"]))
+    return {"communication": units.communication + int(share * gradients),
+            "new_parameters": int(new)}
+
+
+def pass_spare(units: Units, activations: int) -> Tuple[int, int]:
+    """What the CPU's pass adds to its gathered parameters and full gradients.
+
+    Measured alone (``bench_plan_phases.py``, ring N=2, 2026-11-27), the pass
+    held up to one block's parameters and gradients more than its count
+    where its activations were small (MLPs of 1 to 8 layers of 256 to 1024:
+    1.08 MiB on layers of 1 MiB, resharded), and, with every block's
+    parameters gathered, 1.26 MiB more beside 6.9 MiB of activations (the
+    GPT 4 x 256 with Adafactor, blocks of 3 MiB). So
+    :attr:`~mlx_fsdp.plan_memory.fully.Units.spare`, less what the
+    ``activations`` cover: with resharding all of it, without only the
+    gradients.
+    """
+    params, grads = units.spare
+    if not units.resharded:
+        return params, max(0, grads - activations)
+    more = max(0, params + grads - activations)
+    return min(more, params), more - min(more, params)
