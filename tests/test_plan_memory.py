@@ -566,14 +566,15 @@ def test_fully_sharded_float32_peak_is_bounded_with_resharding(wrap, tmp_path):
     """Float32 at ring N=2, where the resharded MLP once measured up to 1.16x
     the prediction (MLX's run-ahead keeps several blocks' gathers alive), and
     the model wrapped once with SGD 1.11x (its full gradients arrive at once).
-    Measured 2026-11-25: 0.748-0.995 (blocks), 0.828-0.995 (model)."""
+    Measured 2026-11-27, each phase counted alone on the CPU: 0.708-0.919
+    (blocks), 0.891-0.964 (model); the low end 0.62 fails if the pass counts
+    the update's temporaries again (Adafactor per block read 0.504 so)."""
     rows = _bench(2, tmp_path, "--modes", "fully_shard", "--models", "mlp", "--wrap", wrap,
                   "--optimizers", "adamw", "sgd", "adafactor",
                   "--reshard-after-forward", "off", "on")
     assert len(rows) == 3 * 2
     for r in rows:
-        low, high = FULLY_RANGE["elementwise" if r["optimizer"] in ELEMENTWISE else "other"]
-        _within(r, low, high)
+        _within(r, 0.62, 1.0)
 
 
 @pytest.mark.parametrize("layers,optimizers", [(1, ["sgd", "adamw", "lion"]), (2, ["sgd"])])
