@@ -40,10 +40,11 @@ phases:
 Given a batch, the **activations** are added, and the optimizer's
 **temporaries**, to both phases, as in the other modes
 (:mod:`mlx_fsdp.plan_memory.estimate`), except on the CPU: there the update
-waits for the whole backward pass (:func:`mlx_fsdp.plan_memory.phases.phases_apart`), so the pass is
-counted with its activations and the update with its temporaries, each
-alone (the parts of the other phase are 0 in the table). docs/memory-planner.md
-states the margin measured against ``mx.get_peak_memory``.
+waits for the whole backward pass, so the pass is counted with its
+activations and the update with its temporaries, each alone (the parts of
+the other phase are 0 in the table; :mod:`mlx_fsdp.plan_memory.phases`).
+docs/memory-planner.md states the margin measured against
+``mx.get_peak_memory``.
 """
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
