@@ -253,6 +253,36 @@ def test_fsdp_buffers_follow_the_two_phases_of_the_step():
     assert comm < 500
 
 
+def test_fsdp_on_the_cpu_counts_the_update_with_the_gathers_alone(monkeypatch):
+    """On the CPU ``fsdp_step``'s update waits for its last reduce-scatter
+    (mlx_fsdp/pace.py), so the optimizer's temporaries meet the gathering
+    phase only, and the reducing phase counts the bucket vector packed
+    ahead. At N=4, where reducing a bucket through all_sum holds two
+    vectors, that phase can be the fuller. Unpaced (a GPU, or pacing off)
+    the temporaries meet the fuller buffers, whichever phase they are."""
+    from mlx_fsdp import pace
+    model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
+                             "MLP")
+    vector = 4 * 256 * 256 * 4  # one bucket of 1 MiB holds the four arrays
+
+    def ranks(name, n):
+        return estimate(model, name, "fsdp", n, device="cpu", communication_size=1 << 20,
+                        every_rank=True)
+    apart = {(name, n): ranks(name, n) for name in ("sgd", "adamw") for n in (2, 4)}
+    monkeypatch.setattr(pace, "QUEUE_DEPTH", 0)
+    for (name, n), paced in apart.items():
+        for a, t in zip(paced, ranks(name, n)):
+            assert a.peak <= t.peak and t.temporaries > vector, (a, t)
+            if (name, n) == ("sgd", 4):  # the reducing phase, with the vector packed ahead
+                assert a.new_parameters == 0 and a.temporaries == vector, a
+                assert a.peak == t.peak - t.temporaries + vector
+            elif n == 4:  # the gathering phase, fuller with the update's temporaries
+                assert a.new_parameters > 0 and a.temporaries == t.temporaries, a
+                assert t.new_parameters == 0 and a.peak < t.peak
+            else:  # at N=2 the gathering phase is fuller either way
+                assert a == t
+
+
 # Fully sharded training (fully_shard on each block and the root, and fsdp_step).
 
 GIB = 1024**3
@@ -518,10 +548,15 @@ def _within(r, low, high):
     assert low <= r["peak_measured"] / r["peak_predicted"] <= high, r
 
 
+#: Steps measured per point here: the bench's default (10) finds the fullest
+#: step more surely, and takes three times as long.
+REPEAT = ["--repeat", "3"]
+
+
 def _bench(n, tmp_path, *args, env=None):
     out = tmp_path / f"bench-{n}.json"
-    run_script(n, "benchmarks/bench_plan_memory.py", [*args, "--json", str(out)], timeout=400,
-               env=env)
+    run_script(n, "benchmarks/bench_plan_memory.py", [*args, *REPEAT, "--json", str(out)],
+               timeout=400, env=env)
     return json.loads(out.read_text())["rows"]
 
 
@@ -593,7 +628,7 @@ def test_one_or_two_blocks_are_bounded_phase_by_phase(layers, optimizers, tmp_pa
     run_script(2, "benchmarks/bench_plan_phases.py",
                ["--models", "mlp", "--layers", str(layers), "--hidden", "512",
                 "--optimizers", *optimizers, "--reshard-after-forward", "off", "on",
-                "--json", str(out)], timeout=300)
+                *REPEAT, "--json", str(out)], timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 * len(optimizers)
     for r in rows:
@@ -610,6 +645,19 @@ def test_a_fully_sharded_step_compiled_whole_is_bounded_with_compiled(tmp_path):
                   "--optimizers", "adamw", "sgd", "--reshard-after-forward", "off", "on",
                   "--compile")
     assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert r["compiled"] and r["peak_measured"] <= r["peak_predicted"], r
+
+
+def test_an_fsdp_step_compiled_whole_stays_below_the_cpus_phases(tmp_path):
+    """On the CPU the planner counts ``fsdp_step``'s temporaries with its
+    gathering phase only, since the update waits for the last reduce-scatter
+    (mlx_fsdp/pace.py). Compiled whole, as mlx-lm's trainer runs it, at N=4,
+    where reducing by all-sum is the fuller phase: measured 1.15-1.36x below
+    the bound (2026-11-27)."""
+    rows = _bench(4, tmp_path, "--hidden", "256", "--modes", "fsdp", "--compile",
+                  "--optimizers", "sgd", "adamw")
+    assert len(rows) == 2 * 2
     for r in rows:
         assert r["compiled"] and r["peak_measured"] <= r["peak_predicted"], r
 

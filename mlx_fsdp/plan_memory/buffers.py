@@ -148,13 +148,22 @@ def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]
     Returns:
         tuple: Bytes; ``(0, 0)`` without buckets.
     """
+    reducing, gathering = fsdp_buffer_phases(buckets, method)
+    return reducing if sum(reducing) > sum(gathering) else gathering
+
+
+def fsdp_buffer_phases(buckets: Sequence[BucketBytes],
+                       method: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """``(reducing, gathering)``: :func:`fsdp_buffers` of each phase alone.
+
+    Each is ``(communication, new parameters)``: ``(reducing, 0)`` and
+    ``(gathering, gathered)`` of :func:`fsdp_phases`, without the division's copies.
+    ``((0, 0), (0, 0))`` without buckets.
+    """
     if not buckets:
-        return 0, 0
+        return (0, 0), (0, 0)
     reducing, updating, gathered = fsdp_phases(buckets, method)
-    gathering = updating - sum(b.held for b in buckets if b.held)
-    if reducing > gathering + gathered:
-        return reducing, 0
-    return gathering, gathered
+    return (reducing, 0), (updating - sum(b.held for b in buckets if b.held), gathered)
 
 
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,

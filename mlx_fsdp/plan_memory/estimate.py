@@ -44,10 +44,10 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .phases import pass_spare, phases_apart, update_during_backward
+from .phases import fsdp_fullest, pass_spare, phases_apart, update_during_backward
 from .transient import temporaries
-from .buffers import (ddp_buffers, default_communication_size, default_device, fsdp_buffers,
-                      resolve_reduce_scatter)
+from .buffers import (ddp_buffers, default_communication_size, default_device,
+                      fsdp_buffer_phases, resolve_reduce_scatter)
 from .parts import RankMemory, tree_bytes
 from .shapes import Model
 from .sharding import _fsdp_state, plain_state
@@ -122,18 +122,18 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         state = _fsdp_state(optimizers.make(name), flat, world_size, rank, communication_size,
                             None, master_dtype)
         pieces = tree_bytes(state["gradient"])
-        comm, new = fsdp_buffers(state["buckets"], method)
-        out.append(RankMemory(
+        common = RankMemory(
             parameters=param_bytes, gradients=grads,
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
-            communication=comm, new_parameters=new,
-            # and the division by N's copy of what this rank reduced, and one
-            # more bucket vector that MLX's run-ahead packs before the last is freed
-            temporaries=temporaries(name, list(state["gradient"].items()), master_dtype,
-                                    use_fused_updates(device), device)
-            + pieces + max(b.vector for b in state["buckets"]),
-        ))
+            communication=0, new_parameters=0)
+        # and the division by N's copy of what this rank reduced, and one
+        # more bucket vector that MLX's run-ahead packs before the last is freed
+        vector = max(b.vector for b in state["buckets"])
+        temps = temporaries(name, list(state["gradient"].items()), master_dtype,
+                            use_fused_updates(device), device) + pieces + vector
+        out.append(fsdp_fullest(common, fsdp_buffer_phases(state["buckets"], method), temps,
+                                vector, device))
     return out
 
 

@@ -1,17 +1,20 @@
-"""How the two phases of a fully sharded step meet, by device: what one counts of the other.
+"""How the phases of a step meet, by device: what one counts of the other.
 
 A fully sharded step has two phases (:mod:`mlx_fsdp.plan_memory.fully`):
 the forward and backward pass, with the gathers, the full gradients and the
-activations, and the update, with the optimizer's temporaries. Whether
-they overlap depends on who paces evaluation: on the CPU the update waits
-for the pass (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
+activations, and the update, with the optimizer's temporaries. An
+``fsdp_step`` has two too (:mod:`mlx_fsdp.plan_memory.buffers`): the
+reduce-scatters, then the update and the all-gathers. Whether they overlap
+depends on who paces evaluation: on the CPU the update waits for what comes
+before it (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
 """
 
+from dataclasses import replace
 from typing import Tuple
 
 from .. import layout, pace
 from .fully import BLOCKS_ALIVE, Units
-from .parts import tree_bytes
+from .parts import RankMemory, tree_bytes
 
 
 def phases_apart(device: str, compiled: bool = False) -> bool:
@@ -24,6 +27,32 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     step compiled whole (measured on the CPU: there they met).
     """
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
+
+
+def fsdp_fullest(common: RankMemory, buffers, temporaries: int, vector: int,
+                 device: str) -> RankMemory:
+    """One ``fsdp_step`` rank at its fullest phase.
+
+    ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
+    ``(reducing, gathering)``, each ``(communication, new parameters)``;
+    ``temporaries``: the update's, with the ``vector`` of the largest bucket
+    that MLX's run-ahead packs ahead. On the CPU the update waits for the
+    last reduce-scatter (:func:`mlx_fsdp.pace.after_queue`), so its
+    temporaries meet the gathering phase alone and the reducing phase
+    counts the vector packed ahead. At MPI N=4 (``bench_plan_memory.py
+    --hidden 256 --modes fsdp``, 2026-11-27), where reducing by all-sum is
+    the fuller phase, the bound fell from 1.36-1.67x to 1.27-1.51x the
+    measured peak, and a step compiled whole stayed below it (1.15-1.36x);
+    at N=2 the gathering phase is the fuller and nothing changes. Elsewhere
+    (a GPU, unpaced) the temporaries meet the fuller buffers.
+    """
+    (red, red_new), (gat, gat_new) = buffers
+    if not phases_apart(device):
+        comm, new = (red, red_new) if red + red_new > gat + gat_new else (gat, gat_new)
+        return replace(common, communication=comm, new_parameters=new, temporaries=temporaries)
+    return max(replace(common, communication=red, new_parameters=red_new, temporaries=vector),
+               replace(common, communication=gat, new_parameters=gat_new,
+                       temporaries=temporaries), key=lambda r: r.peak)
 
 
 def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
