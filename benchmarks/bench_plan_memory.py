@@ -258,7 +258,8 @@ def parse_args(argv=None):
     # (ring N=2, the GPT and MLP 4 x 256, 2026-11-27) peaked up to 26% apart
     # with 3, and three launches with 12 agreed on all but one point.
     p.add_argument("--repeat", type=int, default=10,
-                   help="steps measured after the first; the peak is the highest (default 10)")
+                   help="steps measured after the first; the peak is the highest (default 10; "
+                   "3 for a quicker look that may miss the fullest step)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
     if args.compile and "ddp" in args.modes:

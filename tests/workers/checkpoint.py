@@ -112,22 +112,22 @@ def main():
             save._write = broken
         try:
             mlx_fsdp.save_checkpoint(path, model, opt)
-            print(f"rank {group.rank()}: NO ERROR", flush=True)
+            print(f"rank {group.rank()}: NO ERROR\n", end="", flush=True)
         except RuntimeError as e:
-            print(f"rank {group.rank()}: RuntimeError: {e}", flush=True)
+            print(f"rank {group.rank()}: RuntimeError: {e}\n", end="", flush=True)
     elif mode == "bad_load":
         model = make_model(bf16=False)
         opt = mlx_fsdp.fsdp_step(make_optimizer("adamw"))
         before = [v for _, v in tree_flatten(model.parameters())]
         try:
             mlx_fsdp.load_checkpoint(path, model, opt)
-            print(f"rank {group.rank()}: NO ERROR", flush=True)
+            print(f"rank {group.rank()}: NO ERROR\n", end="", flush=True)
         except mlx_fsdp.CheckpointError as e:
-            print(f"rank {group.rank()}: CheckpointError: {e}", flush=True)
+            print(f"rank {group.rank()}: CheckpointError: {e}\n", end="", flush=True)
         after = [v for _, v in tree_flatten(model.parameters())]
         untouched = all(mx.array_equal(a, b).item() for a, b in zip(before, after))
-        print(f"rank {group.rank()}: untouched={untouched} state={len(tree_flatten(opt.state))}",
-              flush=True)
+        print(f"rank {group.rank()}: untouched={untouched} state={len(tree_flatten(opt.state))}\n",
+              end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def disk(root: str) -> dict:
 
 
 def say(root: str, rank: int, line: str):
-    print(line, flush=True)
+    print(line + "\n", end="", flush=True)
     with open(os.path.join(root, f"results-{rank}.txt"), "a") as f:
         f.write(line + "\n")
 
@@ -250,9 +250,9 @@ def main():
             mlx_fsdp.load_checkpoint(path, model, opt)
         else:
             mlx_fsdp.save_checkpoint(path, model, opt)
-        print(f"rank {group.rank()}: NO ERROR", flush=True)
+        print(f"rank {group.rank()}: NO ERROR\n", end="", flush=True)
     except Exception as e:  # noqa: BLE001
-        print(f"rank {group.rank()}: {type(e).__name__}: {e}", flush=True)
+        print(f"rank {group.rank()}: {type(e).__name__}: {e}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

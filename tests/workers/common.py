@@ -144,7 +144,7 @@ def report(group, **values):
     """
     if group.rank() == 0:
         line = "RESULT " + json.dumps(values)
-        print(line, flush=True)
+        print(line + "\n", end="", flush=True)  # one write: ranks' lines stay whole
         if os.environ.get("MLX_FSDP_TEST_RESULTS"):
             with open(os.environ["MLX_FSDP_TEST_RESULTS"], "a") as f:
                 f.write(line + "\n")

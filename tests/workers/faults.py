@@ -31,7 +31,10 @@ other = rank == group.size() - 1  # the rank that does something different
 
 
 def say(text):
-    print(f"rank {rank}: {text}", flush=True)
+    # The line and its newline in one write: unbuffered (PYTHONUNBUFFERED),
+    # print writes them apart, and under mpirun another rank's line could
+    # land between them (a CI run once read two ranks' errors as one line).
+    print(f"rank {rank}: {text}\n", end="", flush=True)
 
 
 def snapshot(model, opt):

@@ -24,6 +24,6 @@ grads = {k: mx.ones_like(v) for k, v in params.items()}
 opt = mlx_fsdp.fsdp_step(optim.SGD(learning_rate=0.1))
 try:
     mx.eval(opt.apply_gradients(grads, params))
-    print(f"rank {group.rank()}: NO ERROR", flush=True)
+    print(f"rank {group.rank()}: NO ERROR\n", end="", flush=True)
 except ValueError as e:
-    print(f"rank {group.rank()}: {type(e).__name__}: {e}", flush=True)
+    print(f"rank {group.rank()}: {type(e).__name__}: {e}\n", end="", flush=True)
