@@ -274,8 +274,8 @@ def test_fsdp_on_the_cpu_counts_the_update_with_the_gathers_alone(monkeypatch):
         for a, t in zip(paced, ranks(name, n)):
             assert a.peak <= t.peak and t.temporaries > vector, (a, t)
             if (name, n) == ("sgd", 4):  # the reducing phase, with the vector packed ahead
-                assert a.new_parameters == 0 and a.temporaries == vector, a
-                assert a.peak == t.peak - t.temporaries + vector
+                # (here tied with the gathering phase and its temporaries)
+                assert t.new_parameters == 0 and a.peak == t.peak - t.temporaries + vector
             elif n == 4:  # the gathering phase, fuller with the update's temporaries
                 assert a.new_parameters > 0 and a.temporaries == t.temporaries, a
                 assert t.new_parameters == 0 and a.peak < t.peak

@@ -47,12 +47,12 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: int, vector: int,
     (a GPU, unpaced) the temporaries meet the fuller buffers.
     """
     (red, red_new), (gat, gat_new) = buffers
-    if not phases_apart(device):
-        comm, new = (red, red_new) if red + red_new > gat + gat_new else (gat, gat_new)
-        return replace(common, communication=comm, new_parameters=new, temporaries=temporaries)
-    return max(replace(common, communication=red, new_parameters=red_new, temporaries=vector),
-               replace(common, communication=gat, new_parameters=gat_new,
-                       temporaries=temporaries), key=lambda r: r.peak)
+    # A tie goes to the gathering phase, as in fsdp_buffers.
+    return max(replace(common, communication=gat, new_parameters=gat_new,
+                       temporaries=temporaries),
+               replace(common, communication=red, new_parameters=red_new,
+                       temporaries=vector if phases_apart(device) else temporaries),
+               key=lambda r: r.peak)
 
 
 def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
