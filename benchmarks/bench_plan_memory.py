@@ -157,9 +157,10 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     The peak is the highest of ``args.repeat`` steps after the first: on the
     CPU what overlaps in a step depends on timing (MLX allocates outputs
     ahead of the kernels it has queued), and a training run's peak is that
-    of its fullest step, which a few steps can miss. With accumulation (two micro-batches per step), the
-    carried sum is measured after the first micro-batch of the last step,
-    and each peak over the call that finishes a step.
+    of its fullest step, which a few steps can miss. With accumulation (two
+    micro-batches per step), the carried sum is measured after the first
+    micro-batch of the last step, and each peak over the call that finishes
+    a step.
     """
     gc.collect()
     mx.clear_cache()
@@ -256,7 +257,7 @@ def parse_args(argv=None):
                    "local; default none)")
     # Three steps missed the fullest: five launches of the same FSDP points
     # (ring N=2, the GPT and MLP 4 x 256, 2026-11-27) peaked up to 26% apart
-    # with 3, and three launches with 12 agreed on all but one point.
+    # with 3, and three launches with 12 agreed on all but two points.
     p.add_argument("--repeat", type=int, default=10,
                    help="steps measured after the first; the peak is the highest (default 10; "
                    "3 for a quicker look that may miss the fullest step)")
