@@ -135,30 +135,21 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int, 
     return reducing, reduced + divided + fullest.held + fullest.packed, fullest.gathered
 
 
-def fsdp_buffers(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int]:
-    """``(communication, new parameters)`` of one FSDP rank (see the module docstring).
+def fsdp_buffer_phases(buckets: Sequence[BucketBytes],
+                       method: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """``(reducing, gathering)`` of one FSDP rank (see the module docstring).
 
-    The floor of the two phases of :func:`fsdp_phases`, one at a time, without
-    the division's copies (which live next to the optimizer's temporaries).
+    Each phase of :func:`fsdp_phases` alone, as ``(communication, new
+    parameters)``: ``(reducing, 0)`` and ``(gathering, gathered)``, without
+    the division's copies (which live next to the optimizer's temporaries;
+    :func:`mlx_fsdp.plan_memory.phases.fsdp_fullest` weighs the two).
 
     Args:
         buckets (list[BucketBytes]): The rank's bytes of every bucket.
         method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
 
     Returns:
-        tuple: Bytes; ``(0, 0)`` without buckets.
-    """
-    reducing, gathering = fsdp_buffer_phases(buckets, method)
-    return reducing if sum(reducing) > sum(gathering) else gathering
-
-
-def fsdp_buffer_phases(buckets: Sequence[BucketBytes],
-                       method: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """``(reducing, gathering)``: :func:`fsdp_buffers` of each phase alone.
-
-    Each is ``(communication, new parameters)``: ``(reducing, 0)`` and
-    ``(gathering, gathered)`` of :func:`fsdp_phases`, without the division's copies.
-    ``((0, 0), (0, 0))`` without buckets.
+        tuple: Bytes; ``((0, 0), (0, 0))`` without buckets.
     """
     if not buckets:
         return (0, 0), (0, 0)

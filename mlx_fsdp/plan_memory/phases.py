@@ -47,7 +47,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: int, vector: int,
     (a GPU, unpaced) the temporaries meet the fuller buffers.
     """
     (red, red_new), (gat, gat_new) = buffers
-    # A tie goes to the gathering phase, as in fsdp_buffers.
+    # A tie goes to the gathering phase, the one with the new parameters.
     return max(replace(common, communication=gat, new_parameters=gat_new,
                        temporaries=temporaries),
                replace(common, communication=red, new_parameters=red_new,
