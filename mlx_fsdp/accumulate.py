@@ -78,10 +78,15 @@ def snapshot(tree: Any) -> Any:
     return tree_map(lambda a: a, tree)
 
 
-def restore(target: dict, values: dict):
-    """Put ``values`` (a tree shaped like ``target``) into ``target`` in place."""
-    for key, value in values.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
+def restore(target: Union[dict, list], values: Union[dict, list]):
+    """Put ``values`` (a tree shaped like ``target``) into ``target`` in place.
+
+    Lists are entered too: a ``MultiOptimizer``'s ``state`` is a new dict
+    around a new list of its parts' own state dicts, so only those dicts,
+    changed in place, reach the optimizer.
+    """
+    for key, value in values.items() if isinstance(values, dict) else enumerate(values):
+        if isinstance(value, (dict, list)) and type(target[key]) is type(value):
             restore(target[key], value)
         else:
             target[key] = value

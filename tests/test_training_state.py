@@ -102,18 +102,27 @@ def test_ddp_has_no_sharded_accumulation():
         mlx_fsdp.ddp_step(optim.SGD(learning_rate=0.1), accumulation="sharded")
 
 
+def _adam():
+    return optim.Adam(learning_rate=1e-2)
+
+
+def _muon_and_adamw():
+    # A MultiOptimizer's state is a list of its parts' states: keeping them on
+    # the micro-batches that do not finish the step must reach into the list.
+    return optim.MultiOptimizer([optim.Muon(learning_rate=2e-2), optim.AdamW(learning_rate=1e-2)],
+                                [lambda path, g: g.ndim == 2])
+
+
+@pytest.mark.parametrize("inner", [_adam, _muon_and_adamw])
 @pytest.mark.parametrize("wrap", ["fsdp_local", "fsdp_sharded", "ddp"])
-def test_accumulation_inside_mx_compile_equals_eager(wrap):
+def test_accumulation_inside_mx_compile_equals_eager(wrap, inner):
     # The micro-step counter and the sums are arrays in opt.state, so a compiled
     # step carries them; every call runs the whole step and keeps the old
     # parameters and state on the micro-batches that do not finish it.
-    make = {"fsdp_local": lambda: mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-2),
-                                                     grad_accumulation_steps=3),
-            "fsdp_sharded": lambda: mlx_fsdp.fsdp_step(optim.Adam(learning_rate=1e-2),
-                                                       grad_accumulation_steps=3,
+    make = {"fsdp_local": lambda: mlx_fsdp.fsdp_step(inner(), grad_accumulation_steps=3),
+            "fsdp_sharded": lambda: mlx_fsdp.fsdp_step(inner(), grad_accumulation_steps=3,
                                                        accumulation="sharded"),
-            "ddp": lambda: mlx_fsdp.ddp_step(optim.Adam(learning_rate=1e-2),
-                                             grad_accumulation_steps=3)}[wrap]
+            "ddp": lambda: mlx_fsdp.ddp_step(inner(), grad_accumulation_steps=3)}[wrap]
     model, eager_model = _model(), _model()
     model.set_dtype(mx.float32), eager_model.set_dtype(mx.float32)
     opt, eager = make(), make()
