@@ -55,9 +55,13 @@ AdamW, Adam, Lion and Adafactor peaked at up to 1.32x the plan with the
 CPU's window and at 0.75-0.95x the plan with this one; ``fsdp_step``,
 whose update is compiled there, at 0.59-0.95x the plan with the CPU's
 window. ``ddp_step`` compiles its update there too (since 2026-11-27, so
-that it rounds as ``fsdp_step`` does), but is still planned as eager:
-compiled, on whole arrays, it peaked at 0.34-0.94x that plan and at up to
-1.19x the compiled one (Adafactor; the same H100, N=2).
+that it rounds as ``fsdp_step`` does). Compiled, one array's update is a
+few kernels rather than its eager 7 to 68 operations, so the command
+buffers hold the updates of every array at once: planned as eager, the GPT
+with Adafactor peaked at 1.046x (the same H100, 2026-11-27, N=2 and N=4),
+and planned with every update ahead (:func:`window`) its 12 points at
+0.25-0.81x. ``fsdp_step``'s compiled update on its pieces, between the
+reduce-scatters, stays within the CPU's window there.
 """
 
 import math
@@ -188,7 +192,7 @@ class _Shape(NamedTuple):
         return len(self.shape)
 
 
-def in_flight(updates: Sequence[Update], window: int = IN_FLIGHT_OPS) -> Tuple[int, int]:
+def in_flight(updates: Sequence[Update], window: float = IN_FLIGHT_OPS) -> Tuple[int, int]:
     """``(chains, ahead)``: the bytes of updates under way side by side, and of
     the ones the main thread queued ahead of the worker (see the module docstring).
 
@@ -217,7 +221,7 @@ def costs(optimizer: str, pieces: Sequence[Tuple[str, Sequence[int], int]],
 
 
 def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
-                compiled: bool = False, device: str = "cpu") -> int:
+                compiled: bool = False, device: str = "cpu", whole_arrays: bool = False) -> int:
     """Bytes of the optimizer's temporaries alive at once in one rank's step.
 
     Args:
@@ -225,16 +229,33 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
         pieces (list): ``(path, array)`` of what this rank updates (whole
             arrays, or its pieces of them), shape-only.
         master_dtype (Dtype, optional): The masters' dtype. Default: ``None``.
-        compiled (bool): The step compiles its update (``fsdp_step`` on a
-            GPU, :func:`mlx_fsdp.fused.use_fused_updates`). Default: ``False``.
+        compiled (bool): The step compiles its update (on a GPU, and for
+            ``ddp_step`` on more than one process:
+            :func:`mlx_fsdp.fused.use_fused_updates`). Default: ``False``.
         device (str): ``"cpu"`` or ``"gpu"``, where the step runs. Default: ``"cpu"``.
+        whole_arrays (bool): ``pieces`` are whole arrays (``ddp_step``).
+            Default: ``False``.
 
     Returns:
-        int: ``chains + ahead`` of :func:`in_flight` (an eager update on a
-        GPU over :data:`GPU_IN_FLIGHT_OPS`), and :func:`matmul_workspace`.
+        int: ``chains + ahead`` of :func:`in_flight` over :func:`window`'s
+        operations, and :func:`matmul_workspace`.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
                     master_size, compiled)
-    window = GPU_IN_FLIGHT_OPS if device == "gpu" and not compiled else IN_FLIGHT_OPS
-    return sum(in_flight(updates, window)) + matmul_workspace(optimizer, device)
+    ahead = window(device, compiled, whole_arrays)
+    return sum(in_flight(updates, ahead)) + matmul_workspace(optimizer, device)
+
+
+def window(device: str, compiled: bool, whole_arrays: bool = False) -> float:
+    """Operations of the update counted ahead of the worker (see the module docstring).
+
+    The CPU's :data:`IN_FLIGHT_OPS`; an eager update on a GPU
+    :data:`GPU_IN_FLIGHT_OPS`; a compiled one on whole arrays (``ddp_step``
+    on a GPU) all of them.
+    """
+    if device != "gpu":
+        return IN_FLIGHT_OPS
+    if not compiled:
+        return GPU_IN_FLIGHT_OPS
+    return math.inf if whole_arrays else IN_FLIGHT_OPS
