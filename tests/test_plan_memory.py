@@ -449,7 +449,7 @@ def test_cli_shows_what_fully_sharding_saves(capsys):
     main(["--params", "8B", "--dtype", "bfloat16", "--master-dtype", "float32", "--memory",
           "64GiB", "--device", "gpu", "--backend", "jaccl", "--optimizer", "adamw"])
     text = capsys.readouterr().out
-    assert "N=8: DDP 171.45 GiB does not fit, FSDP 50.38 GiB fits, fully_shard 37.43 GiB fits" \
+    assert "N=8: DDP 240.75 GiB does not fit, FSDP 50.38 GiB fits, fully_shard 37.43 GiB fits" \
         in text
     assert ("fully_shard at N=8: parameters + gradients 3.74 GiB per rank (fsdp_step: 29.92), "
             "plus 14.96 GiB gathered at once") in text
@@ -705,8 +705,8 @@ H100_PEAKS = [
     ("gpt", ["--hidden", "256"], "adam", "ddp", 2, False, 16925920),
     ("gpt", ["--hidden", "256"], "lion", "ddp", 2, False, 15031288),
     ("gpt", ["--hidden", "256"], "adafactor", "ddp", 2, False, 13723928),  # 10.4 MB
-    # ddp_step's update compiled (since 2026-11-27), every array's at once
-    # (transient.window; 2026-11-27, N=2 and N=4 alike): 14.5 MB planned as eager.
+    # ddp_step's update compiled (since 2026-11-27), over 240 of its kernels
+    # (transient.Profile.kernels; 2026-11-27, N=2 and N=4 alike): 14.5 MB planned as eager.
     ("gpt", ["--hidden", "256"], "adafactor", "ddp", 4, False, 15118888),
 ]
 
@@ -781,3 +781,32 @@ def test_batch_flags_answer_smallest_n_and_largest_batch(capsys):
     text = capsys.readouterr().out
     assert "temps" in text and "acts" in text and "activations of batch 4 x 2048" in text
     assert "largest batch at N=8" in text
+
+
+def _graph_nodes(outputs, tmp_path) -> int:
+    """Operations in the graph that evaluating ``outputs`` would run (``mx.export_to_dot``)."""
+    import re
+    path = str(tmp_path / "update.dot")
+    mx.export_to_dot(path, *outputs)
+    labels = re.findall(r'label\s*=\s*"([^"]+)"', open(path).read())
+    return sum(label[0].isupper() for label in labels)  # primitives; arrays are lower case
+
+
+@pytest.mark.parametrize("name, shape", [("sgd", (64,)), ("adamw", (64,)), ("adam", (64,)),
+                                         ("lion", (64,)), ("adafactor", (64,)),
+                                         ("adafactor", (16, 32)), ("muon", (16, 32))])
+def test_an_updates_operations_and_kernels_are_what_mlx_makes_of_it(name, shape, tmp_path):
+    """transient's ops (eager) and kernels (compiled by mlx_fsdp.fused, as on a GPU)
+    against the nodes of MLX's own graph of one update, step counter included."""
+    from mlx_fsdp.fused import FusedUpdates
+    from mlx_fsdp.plan_memory.transient import update_cost
+    want = update_cost(name, "w", shape, 4)
+    for compiled, expected in ((False, want.ops), (True, want.kernels)):
+        opt = optimizers.make(name)
+        params, grads = {"w": mx.ones(shape)}, {"w": mx.full(shape, 0.5)}
+        opt.init(params)
+        mx.eval(params, grads, opt.state)
+        new = FusedUpdates().apply(opt, grads, params) if compiled else \
+            opt.apply_gradients(grads, params)
+        nodes = _graph_nodes([new["w"], *[a for _, a in tree_flatten(opt.state)]], tmp_path)
+        assert nodes == expected, (compiled, nodes)

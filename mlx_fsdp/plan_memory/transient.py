@@ -15,7 +15,11 @@ step's dtype:
   last operation is queued (``mx.async_eval`` of a large product first);
 * ``live``: the most of it alive at once when MLX runs it alone with a
   1-byte memory limit, which makes it free each buffer before queuing more;
-* ``ops``: the operations of one update (nodes of ``mx.export_to_dot``).
+* ``ops``: the operations of one update (nodes of ``mx.export_to_dot``);
+* ``kernels``: the same, compiled as :mod:`mlx_fsdp.fused` compiles it
+  (the element-wise chain fuses into one or two kernels; reductions and
+  matmuls stay apart). Counted on the CPU, where ``mx.compile`` fuses as
+  on a GPU.
 
 No test holds these constants one by one; the grid of
 ``benchmarks/bench_plan_memory.py`` (and ``tests/test_plan_memory.py``)
@@ -55,13 +59,13 @@ AdamW, Adam, Lion and Adafactor peaked at up to 1.32x the plan with the
 CPU's window and at 0.75-0.95x the plan with this one; ``fsdp_step``,
 whose update is compiled there, at 0.59-0.95x the plan with the CPU's
 window. ``ddp_step`` compiles its update there too (since 2026-11-27, so
-that it rounds as ``fsdp_step`` does). Compiled, one array's update is a
-few kernels rather than its eager 7 to 68 operations, so the command
-buffers hold the updates of every array at once: planned as eager, the GPT
-with Adafactor peaked at 1.046x (the same H100, 2026-11-27, N=2 and N=4),
-and planned with every update ahead (:func:`window`) its 12 points at
-0.25-0.81x. ``fsdp_step``'s compiled update on its pieces, between the
-reduce-scatters, stays within the CPU's window there.
+that it rounds as ``fsdp_step`` does). Compiled, one array's update is 2
+to 40 kernels (``Profile.kernels``) rather than its eager 7 to 68
+operations, so the command buffers hold the updates of more arrays at once:
+planned as eager, the GPT with Adafactor peaked at 1.046x (the same H100,
+2026-11-27, N=2 and N=4), and planned over 240 of its kernels, its 12
+points at 0.25-0.81x. ``fsdp_step``'s compiled update on its pieces,
+between the reduce-scatters, stays within the CPU's window there.
 """
 
 import math
@@ -93,6 +97,7 @@ class Profile(NamedTuple):
     total: float
     live: float
     ops: int
+    kernels: int
 
 
 #: Muon on a CUDA GPU: its Newton-Schulz products run through ``mx.addmm``,
@@ -113,17 +118,18 @@ def matmul_workspace(optimizer: str, device: str) -> int:
 
 #: name -> profile of a vector (and of a matrix for the element-wise ones).
 PROFILES = {
-    "adamw": Profile(4, 2, 23),
-    "adam": Profile(4, 2, 19),
-    "sgd": Profile(1, 1, 7),
-    "lion": Profile(4, 2, 15),
-    "adafactor": Profile(5, 2, 37),
+    "adamw": Profile(4, 2, 23, 2),
+    "adam": Profile(4, 2, 19, 2),
+    "sgd": Profile(1, 1, 7, 2),
+    "lion": Profile(4, 2, 15, 3),
+    "adafactor": Profile(5, 2, 37, 9),
 }
 #: Adafactor on a matrix: its factored statistics take more operations.
-ADAFACTOR_MATRIX = Profile(5, 3, 62)
-#: Muon on a matrix: operations of five Newton-Schulz steps.
-MUON_OPS = 68
-#: With a master copy: the gradient cast up, the new parameter cast down.
+ADAFACTOR_MATRIX = Profile(5, 3, 62, 22)
+#: Muon on a matrix: operations of five Newton-Schulz steps, eager and compiled.
+MUON_OPS, MUON_KERNELS = 68, 40
+#: With a master copy: the gradient cast up, the new parameter cast down
+#: (compiled, one more kernel is counted for them).
 MASTER_OPS = 2
 #: Compiled (:mod:`mlx_fsdp.fused`, ``fsdp_step`` on a GPU), an update writes
 #: its new state and parameter without reusing the old buffers: elements per
@@ -138,6 +144,7 @@ class Update(NamedTuple):
     total: int
     live: int
     ops: int
+    kernels: int
 
 
 def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int,
@@ -154,7 +161,8 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
             Default: ``False``.
 
     Returns:
-        Update: Bytes allocated in all, bytes alive at once, operations.
+        Update: Bytes allocated in all, bytes alive at once, operations
+        (eager and compiled).
     """
     n = math.prod(shape)
     size = master_size or param_size
@@ -163,7 +171,7 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
     # MLX reuses its buffer, where a float32 update must leave the caller's
     # gradient alone and allocates that temporary anyway.
     cast = n * param_size if master_size else 0
-    ops = MASTER_OPS if master_size else 0
+    ops, kernels = (MASTER_OPS, 1) if master_size else (0, 0)
     matrix = len(shape) == 2 and n > 0
     if optimizer == "muon" and matrix and muon_filter(path, _Shape(shape)):
         rows, cols = shape
@@ -172,14 +180,15 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
         # cols) per step, a transposed copy of a tall matrix.
         total = (11 + (rows > cols)) * n + 10 * k * k
         live = 3 * n + 3 * k * k
-        return Update(total * size + cast, live * size + cast, MUON_OPS + ops)
+        return Update(total * size + cast, live * size + cast, MUON_OPS + ops,
+                      MUON_KERNELS + kernels)
     name = "adamw" if optimizer == "muon" else optimizer
     profile = ADAFACTOR_MATRIX if name == "adafactor" and matrix else PROFILES[name]
     if compiled and name in COMPILED_TOTAL:
         most = max(profile.total, COMPILED_TOTAL[name])
-        profile = Profile(most, max(profile.live, most), profile.ops)
+        profile = profile._replace(total=most, live=max(profile.live, most))
     return Update(int(profile.total * n * size) + cast, int(profile.live * n * size) + cast,
-                  profile.ops + ops)
+                  profile.ops + ops, profile.kernels + kernels)
 
 
 class _Shape(NamedTuple):
@@ -237,25 +246,16 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
             Default: ``False``.
 
     Returns:
-        int: ``chains + ahead`` of :func:`in_flight` over :func:`window`'s
-        operations, and :func:`matmul_workspace`.
+        int: ``chains + ahead`` of :func:`in_flight` (on a GPU over
+        :data:`GPU_IN_FLIGHT_OPS`, of compiled kernels for ``ddp_step``'s
+        compiled update), and :func:`matmul_workspace`.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
                     master_size, compiled)
-    ahead = window(device, compiled, whole_arrays)
-    return sum(in_flight(updates, ahead)) + matmul_workspace(optimizer, device)
-
-
-def window(device: str, compiled: bool, whole_arrays: bool = False) -> float:
-    """Operations of the update counted ahead of the worker (see the module docstring).
-
-    The CPU's :data:`IN_FLIGHT_OPS`; an eager update on a GPU
-    :data:`GPU_IN_FLIGHT_OPS`; a compiled one on whole arrays (``ddp_step``
-    on a GPU) all of them.
-    """
-    if device != "gpu":
-        return IN_FLIGHT_OPS
-    if not compiled:
-        return GPU_IN_FLIGHT_OPS
-    return math.inf if whole_arrays else IN_FLIGHT_OPS
+    window = IN_FLIGHT_OPS
+    if device == "gpu" and compiled and whole_arrays:  # ddp_step's (module docstring)
+        updates, window = [u._replace(ops=u.kernels) for u in updates], GPU_IN_FLIGHT_OPS
+    elif device == "gpu" and not compiled:
+        window = GPU_IN_FLIGHT_OPS
+    return sum(in_flight(updates, window)) + matmul_workspace(optimizer, device)
