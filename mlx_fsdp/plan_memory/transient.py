@@ -18,10 +18,12 @@ step's dtype:
 * ``ops``: the operations of one update (nodes of ``mx.export_to_dot``);
 * ``kernels``: the same, compiled as :mod:`mlx_fsdp.fused` compiles it
   (the element-wise chain fuses into one or two kernels; reductions and
-  matmuls stay apart). Counted on the CPU, where ``mx.compile`` fuses as
-  on a GPU.
+  matmuls stay apart). Counted on the CPU; a GPU's compiled graph is
+  assumed to fuse alike (``mx.compile``'s fusion runs before the backend).
 
-No test holds these constants one by one; the grid of
+``tests/test_plan_memory.py`` holds ``ops`` and ``kernels`` to the nodes of
+MLX's own graph of one update; no test holds the other constants one by
+one: the grid of
 ``benchmarks/bench_plan_memory.py`` (and ``tests/test_plan_memory.py``)
 holds the sum. One update alone, with the caller holding the old parameter
 (mlx 0.32.4, CPU, a 2**20-element vector, 2026-11-26), peaked at, in
@@ -64,7 +66,7 @@ to 40 kernels (``Profile.kernels``) rather than its eager 7 to 68
 operations, so the command buffers hold the updates of more arrays at once:
 planned as eager, the GPT with Adafactor peaked at 1.046x (the same H100,
 2026-11-27, N=2 and N=4), and planned over 240 of its kernels, its 12
-points at 0.25-0.81x. ``fsdp_step``'s compiled update on its pieces,
+points at 0.27-0.86x. ``fsdp_step``'s compiled update on its pieces,
 between the reduce-scatters, stays within the CPU's window there.
 """
 
@@ -129,7 +131,7 @@ ADAFACTOR_MATRIX = Profile(5, 3, 62, 22)
 #: Muon on a matrix: operations of five Newton-Schulz steps, eager and compiled.
 MUON_OPS, MUON_KERNELS = 68, 40
 #: With a master copy: the gradient cast up, the new parameter cast down
-#: (compiled, one more kernel is counted for them).
+#: (compiled, one more kernel is counted for them, not measured).
 MASTER_OPS = 2
 #: Compiled (:mod:`mlx_fsdp.fused`, ``fsdp_step`` on a GPU), an update writes
 #: its new state and parameter without reusing the old buffers: elements per
@@ -203,7 +205,7 @@ class _Shape(NamedTuple):
         return len(self.shape)
 
 
-def in_flight(updates: Sequence[Update], window: float = IN_FLIGHT_OPS) -> Tuple[int, int]:
+def in_flight(updates: Sequence[Update], window: int = IN_FLIGHT_OPS) -> Tuple[int, int]:
     """``(chains, ahead)``: the bytes of updates under way side by side, and of
     the ones the main thread queued ahead of the worker (see the module docstring).
 
