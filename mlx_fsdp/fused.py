@@ -44,14 +44,19 @@ from . import accumulate, consistency
 ENV_VAR = "MLX_FSDP_FUSED_UPDATE"
 
 
-def use_fused_updates(device: Optional[str] = None) -> bool:
-    """Whether ``fsdp_step`` compiles its update: ``MLX_FSDP_FUSED_UPDATE``, else on a GPU.
+def use_fused_updates(device: Optional[str] = None, world_size: int = 2) -> bool:
+    """Whether the wrappers compile their update: ``MLX_FSDP_FUSED_UPDATE``, else on a GPU.
+
+    Never on one process, where both wrappers are exactly plain MLX.
 
     Args:
         device (str, optional): ``"cpu"`` or ``"gpu"``, where the step runs
             (the memory planner plans for another machine). Default:
             ``None``, MLX's default device.
+        world_size (int): Processes in the wrapper's group. Default: ``2``.
     """
+    if world_size == 1:
+        return False
     choice = os.environ.get(ENV_VAR)
     if choice not in (None, "", "0", "1"):
         raise ValueError(f"{ENV_VAR}={choice!r} must be 1 (compile the update) or 0 (eager).")

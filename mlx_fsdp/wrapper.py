@@ -39,7 +39,7 @@ class DistributedOptimizer:
         self._dog = watchdog.get(options.timeout, options.group.rank()) if distributed else None
         # Both steps compile their update alike (on a GPU, see mlx_fsdp.fused),
         # so that they round alike: MLX's compiled GPU kernels fuse multiply-adds.
-        self._fused = FusedUpdates() if distributed and use_fused_updates() else None
+        self._fused = FusedUpdates() if use_fused_updates(world_size=options.world_size) else None
         ending.register(options.group, options.dp_group)
         self._clipped = False
 

@@ -99,13 +99,13 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
     comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
-    fused = world_size > 1 and use_fused_updates(device)  # as ddp_step decides
     return RankMemory(
         parameters=param_bytes, gradients=grads,
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=comm, new_parameters=new,
-        temporaries=temporaries(name, flat, master_dtype, fused, device, whole_arrays=True))
+        temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
+                                device, whole_arrays=True))
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
