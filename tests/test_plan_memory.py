@@ -649,6 +649,21 @@ def test_one_or_two_blocks_are_bounded_phase_by_phase(layers, optimizers, tmp_pa
             assert pass_meas <= pass_pred and update_meas <= update_pred, r
 
 
+def test_the_sharded_step_taken_apart_stays_below_the_plan(tmp_path):
+    """bench_fsdp_phases.py: the step up to the updated shards, the gathers after
+    them and the whole step, each at most the planner's peak (ring N=2, SGD and
+    Muon: an element-wise and an owner-placed update)."""
+    out = tmp_path / "fsdp_phases.json"
+    run_script(2, "benchmarks/bench_fsdp_phases.py",
+               ["--hidden", "256", "--optimizers", "sgd", "muon", *REPEAT, "--json", str(out)],
+               timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert all(0 < m <= r["predicted"] for m in r["measured"]), r
+        assert r["parts"]["temporaries"] > 0, r
+
+
 def test_a_fully_sharded_step_compiled_whole_is_bounded_with_compiled(tmp_path):
     """The step inside mx.compile, as mlx-lm's trainer runs it, planned with
     ``compiled=True``. Without it the GPT's points measured 1.5-2.8% above the
