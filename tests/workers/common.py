@@ -111,7 +111,7 @@ def reference_update(optimizer, world):
     compiles it there too, with plain ``mx.compile``. On the CPU, where they
     round alike, it stays eager: the steps' compiled updates are held to it.
     """
-    if world == 1 or not use_fused_updates() or mx.default_device() != mx.gpu:
+    if not use_fused_updates(world_size=world) or mx.default_device() != mx.gpu:
         return optimizer.update
     compiled = []
 
