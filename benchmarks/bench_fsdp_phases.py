@@ -14,10 +14,11 @@ first of:
 
 Next to them, the planner's peak and the parts of its fullest phase. On the
 CPU the planner counts the update's temporaries beside the gathering
-phase's buffers (``mlx_fsdp.plan_memory.phases.fsdp_fullest``), so
-``step - gather`` is about what the step really held of them there (taken
-apart, the gather phase can hold more than the whole step did, and the
-difference fall below zero). The split
+phase's buffers where a bucket is an owner's, and otherwise the update as a
+phase of its own (``mlx_fsdp.plan_memory.phases.fsdp_fullest``), so
+``step - gather`` is about what the step really held of them beside the
+gathers (taken apart, the gather phase can hold more than the whole step
+did, and the difference fall below zero). The split
 evaluates inside ``fsdp_step`` by wrapping ``mlx_fsdp.bucketed.gather_bucket``:
 a measuring device, nothing the library does.
 

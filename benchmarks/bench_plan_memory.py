@@ -184,7 +184,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
         device=default_device(),
         reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
         wrap=args.wrap, reshard_after_forward=reshard, every_rank=True, activations=activations,
-        compiled=fully and args.compile,
+        compiled=args.compile,
     )
     mine = predicted[group.rank() if mode != "ddp" else 0]
     per_step = 1 if args.accumulation == "none" else 2

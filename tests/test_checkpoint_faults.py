@@ -94,8 +94,8 @@ def test_every_fault_raises_on_every_rank_and_changes_nothing(ring_faults, tmp_p
         for rank in range(n):
             key = ALL if ALL in expected else (ONE if rank == 1 else OTHERS)
             allowed = expected[key] if isinstance(expected[key], list) else [expected[key]]
-            lines = [l for l in out.splitlines() if l.startswith(f"CASE {name} rank {rank}: ")]
-            error = next((l for l in lines if "unchanged=" not in l), None)
+            lines = [ln for ln in out.splitlines() if ln.startswith(f"CASE {name} rank {rank}: ")]
+            error = next((ln for ln in lines if "unchanged=" not in ln), None)
             assert error is not None, f"{name} rank {rank}: no result\n{out[-4000:]}"
             assert any(error.startswith(f"CASE {name} rank {rank}: {kind}: ")
                        and re.search(pattern, error) for kind, pattern in allowed), (name, rank, error)

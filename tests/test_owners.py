@@ -139,12 +139,18 @@ def test_fingerprint_covers_owners():
 
 def test_registry_decides_placement():
     g = [("w", mx.zeros((3, 4))), ("b", mx.zeros((4,))), ("s", mx.zeros(()))]
-    where = lambda opt, p=None: placement.placements(placement.resolve(opt, p), g, [0, 0, 0])
+
+    def where(opt, p=None):
+        return placement.placements(placement.resolve(opt, p), g, [0, 0, 0])
+
     assert where(optim.Muon(learning_rate=0.1)) == ["owner", "flat", "flat"]
     assert where(optim.Adafactor()) == ["owner"] * 3
     assert where(optim.AdamW(learning_rate=0.1)) == ["flat"] * 3
     assert where(optim.AdamW(learning_rate=0.1), "owner") == ["owner"] * 3
-    rule = lambda path, shape: "owner" if path == "b" else "flat"
+
+    def rule(path, shape):
+        return "owner" if path == "b" else "flat"
+
     assert where(optim.Muon(learning_rate=0.1), rule) == ["flat", "owner", "flat"]
 
 

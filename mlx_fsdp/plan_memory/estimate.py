@@ -19,11 +19,11 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 * **optimizer state** and **masters** (``master_dtype`` copies of
   parameters of another dtype);
 * **communication** and **new parameters**: what the step keeps alive at
-  its fullest phase besides the above (see
-  :mod:`mlx_fsdp.plan_memory.buffers`): FSDP, the output of every bucket's
-  reduce-scatter and one bucket's reduced, updated, packed and gathered
-  pieces (the gathered vector is the new parameters); DDP, the averaged
-  gradients and one group's flattening copies, and one array's new copy;
+  its fullest phase besides the above (:mod:`mlx_fsdp.plan_memory.buffers`):
+  FSDP, the output of every bucket's reduce-scatter and one bucket's
+  reduced, updated, packed and gathered pieces (the gathered vector is the
+  new parameters), or in the update's own phase the reduced pieces; DDP,
+  the averaged gradients, one group's flattening copies, one array's new copy;
 * **gathered** and **full gradients** (``fully_shard`` only): the full
   parameters of the wrapped modules alive at once in the forward and
   backward pass, and the full gradients of one of them before its
@@ -45,7 +45,7 @@ import mlx.core as mx
 from ..fused import use_fused_updates
 from . import fully, optimizers
 from .phases import fsdp_fullest, pass_spare, phases_apart, update_during_backward
-from .transient import temporaries
+from .transient import temporaries, temporaries_apart
 from .buffers import (ddp_buffers, default_communication_size, default_device,
                       fsdp_buffer_phases, resolve_reduce_scatter)
 from .parts import RankMemory, tree_bytes
@@ -109,8 +109,8 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-                master_dtype: Optional[mx.Dtype], accumulation: str,
-                reduce_scatter: Optional[str] = None, device: str = "cpu") -> List[RankMemory]:
+                master_dtype: Optional[mx.Dtype], accumulation: str, reduce_scatter=None,
+                device: str = "cpu", compiled: bool = False) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
@@ -127,13 +127,13 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=0, new_parameters=0)
-        # and the division by N's copy of what this rank reduced, and one
-        # more bucket vector that MLX's run-ahead packs before the last is freed
+        temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
+                                  use_fused_updates(device), device)
+        # Beside them: the division's copy of the reduced pieces, a vector packed ahead
         vector = max(b.vector for b in state["buckets"])
-        temps = temporaries(name, list(state["gradient"].items()), master_dtype,
-                            use_fused_updates(device), device) + pieces + vector
         out.append(fsdp_fullest(common, fsdp_buffer_phases(state["buckets"], method), temps,
-                                vector, device))
+                                pieces + vector, vector, device,
+                                not compiled and not any(b.owned for b in state["buckets"])))
     return out
 
 
@@ -237,11 +237,11 @@ def estimate_ranks(
         activations (int): Bytes of one rank's forward and backward pass
             (:func:`mlx_fsdp.plan_memory.activations.activation_bytes`).
             Default: ``0``.
-        compiled (bool): ``fully_shard``: the step is compiled whole with
-            ``mx.compile`` (mlx-lm's trainer). Measured so on the CPU, the
-            update's temporaries then meet the activations, and resharding
-            saved nothing on an MLP: both are counted, and no block is
-            counted resharded. Default: ``False``.
+        compiled (bool): The step is compiled whole with ``mx.compile``
+            (mlx-lm's trainer). Measured so on the CPU, ``fully_shard``'s
+            update temporaries meet the activations, and resharding saved
+            nothing on an MLP: both are counted, no block resharded; the
+            gathers of ``fsdp_step`` meet its update. Default: ``False``.
         phases (bool): ``fully_shard`` (at N > 1): per rank, its forward and
             backward pass and its update each counted alone, the one with
             the activations, the other with the temporaries
@@ -288,7 +288,7 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
                                 communication_size, master, local, device)]
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
-                                master, accumulation, reduce_scatter, device)
+                                master, accumulation, reduce_scatter, device, compiled)
         return [replace(r, activations=activations) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else

@@ -29,30 +29,49 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
 
-def fsdp_fullest(common: RankMemory, buffers, temporaries: int, vector: int,
-                 device: str) -> RankMemory:
+def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], kept: int,
+                 vector: int, device: str, gathers_wait: bool = False) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
     ``(reducing, gathering)``, each ``(communication, new parameters)``;
-    ``temporaries``: the update's, with the ``vector`` of the largest bucket
-    that MLX's run-ahead packs ahead. On the CPU the update waits for the
-    last reduce-scatter (:func:`mlx_fsdp.pace.after_queue`), so its
-    temporaries meet the gathering phase alone and the reducing phase
-    counts the vector packed ahead. At MPI N=4 (``bench_plan_memory.py
-    --hidden 256 --modes fsdp``, 2026-11-27), where reducing by all-sum is
-    the fuller phase, the bound fell from 1.36-1.67x to 1.27-1.51x the
-    measured peak, and a step compiled whole stayed below it (1.15-1.36x);
-    at N=2 the gathering phase is the fuller and nothing changes. Elsewhere
+    ``temporaries``: the update's ``(side_by_side, ahead)``
+    (:func:`~mlx_fsdp.plan_memory.transient.temporaries_apart`); ``kept``:
+    what the update holds besides them, the reduced pieces with their
+    division's copies and the ``vector`` of the largest bucket, which MLX's
+    run-ahead packs ahead. ``gathers_wait``: no bucket is an owner's, so
+    every all-gather waits for its bucket's update on the CPU
+    (:mod:`mlx_fsdp.step`). Default: ``False``.
+
+    On the CPU the update waits for the last reduce-scatter
+    (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
+    gathering phase alone and the reducing phase counts the vector packed
+    ahead. At MPI N=4 (``bench_plan_memory.py --hidden 256 --modes fsdp``,
+    2026-11-27), where reducing by all-sum is the fuller phase, the bound
+    fell from 1.36-1.67x to 1.27-1.51x the measured peak. Where the gathers
+    wait too, the update is a phase of its own, with one gathered vector
+    beside it (without it, the MLP 4 x 512 with AdamW measured 2.5% above
+    the count), and the gathering phase meets only what the main thread
+    queues ahead of the next update. Over 84 points (ring N=2 and MPI N=3
+    and 4, float32, bfloat16 with masters, both accumulations, 2026-11-27)
+    the steps peaked 0-35% lower once the gathers waited, and the bound
+    stayed 1.09-1.82x their peak (median 1.44); it was 1.08-1.82x (1.36)
+    before both changes, 1.27-2.09x had only the gathers waited. Elsewhere
     (a GPU, unpaced) the temporaries meet the fuller buffers.
     """
     (red, red_new), (gat, gat_new) = buffers
+    side, ahead = temporaries
+    whole = side + ahead + kept
+    apart = phases_apart(device)
     # A tie goes to the gathering phase, the one with the new parameters.
-    return max(replace(common, communication=gat, new_parameters=gat_new,
-                       temporaries=temporaries),
-               replace(common, communication=red, new_parameters=red_new,
-                       temporaries=vector if phases_apart(device) else temporaries),
-               key=lambda r: r.peak)
+    phases = [replace(common, communication=gat, new_parameters=gat_new,
+                      temporaries=ahead if apart and gathers_wait else whole)]
+    if apart and gathers_wait:
+        phases.append(replace(common, communication=kept, new_parameters=gat_new,
+                              temporaries=side + ahead))
+    phases.append(replace(common, communication=red, new_parameters=red_new,
+                          temporaries=vector if apart else whole))
+    return max(phases, key=lambda r: r.peak)
 
 
 def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:

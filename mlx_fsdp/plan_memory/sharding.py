@@ -51,6 +51,9 @@ class BucketBytes(NamedTuple):
         summed (bool): An owner bucket all-summed without its padding
             (:mod:`mlx_fsdp.summed`): ``vector`` and ``gathered`` are its
             arrays alone, and ``shard`` what this rank keeps of them.
+        owned (bool): Its arrays are kept whole on owner ranks; on the CPU
+            only the other buckets' all-gathers wait for their updates
+            (:mod:`mlx_fsdp.step`).
     """
 
     vector: int
@@ -59,6 +62,7 @@ class BucketBytes(NamedTuple):
     packed: int
     gathered: int
     summed: bool = False
+    owned: bool = False
 
 
 def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int) -> BucketBytes:
@@ -73,13 +77,13 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int)
         # (none beyond the array itself where it owns them all).
         sent = 0 if held == size * itemsize else size * param_dtype.size
         return BucketBytes(vector=size * itemsize, shard=held, held=held, packed=sent,
-                           gathered=size * param_dtype.size, summed=True)
+                           gathered=size * param_dtype.size, summed=True, owned=True)
     parts = layout.held_parts(bucket, mine, rank)
     return BucketBytes(
         vector=bucket.nbytes(world_size), shard=bucket.cols * itemsize,
         held=held,
         packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
-        gathered=world_size * bucket.cols * param_dtype.size,
+        gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
     )
 
 

@@ -250,9 +250,22 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
             Default: ``False``.
 
     Returns:
-        int: ``chains + ahead`` of :func:`in_flight` (on a GPU over
-        :data:`GPU_IN_FLIGHT_OPS`, of compiled kernels for ``ddp_step``'s
-        compiled update), and :func:`matmul_workspace`.
+        int: The sum of :func:`temporaries_apart`.
+    """
+    return sum(temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays))
+
+
+def temporaries_apart(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
+                      compiled: bool = False, device: str = "cpu",
+                      whole_arrays: bool = False) -> Tuple[int, int]:
+    """:func:`temporaries` in two parts: ``(side_by_side, ahead)``.
+
+    ``side_by_side``: the ``chains`` of :func:`in_flight` and
+    :func:`matmul_workspace`, what the updates under way hold;
+    ``ahead``: what the main thread queued ahead of them (on a GPU over
+    :data:`GPU_IN_FLIGHT_OPS`, of compiled kernels for ``ddp_step``'s
+    compiled update), which can meet whatever the step queues next. The
+    arguments are :func:`temporaries`'.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
@@ -262,4 +275,5 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
         updates, window = [u._replace(ops=u.kernels) for u in updates], GPU_IN_FLIGHT_OPS
     elif device == "gpu" and not compiled:
         window = GPU_IN_FLIGHT_OPS
-    return sum(in_flight(updates, window)) + matmul_workspace(optimizer, device)
+    chains, ahead = in_flight(updates, window)
+    return chains + matmul_workspace(optimizer, device), ahead
