@@ -271,6 +271,14 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     (Muon): there the temporaries meet the gathers. Unpaced (a GPU, or
     pacing off) the temporaries meet the fuller buffers, whichever phase."""
     from mlx_fsdp import pace
+    from mlx_fsdp.plan_memory.parts import RankMemory
+    from mlx_fsdp.plan_memory.phases import fsdp_fullest
+    # Past one bucket the next bucket's update meets this one's gather.
+    base = RankMemory(100, 100, 0, 50, 0, 0, 0)
+    one, two = (fsdp_fullest(base, ((60, 0), (40, 30)), (20, 10), 25, 20, "cpu", True, buckets)
+                for buckets in (1, 2))
+    assert (one.communication, one.new_parameters, one.temporaries) == (25, 30, 30)
+    assert two.communication == 25 + 40 and two.peak == one.peak + 40
     model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
                              "MLP")
     vector = 4 * 256 * 256 * 4  # one bucket of 1 MiB holds the four arrays
@@ -583,6 +591,19 @@ def test_predicted_state_equals_measured_and_peak_within_margin(n, tmp_path):
         kind = f"{r['mode']}_elementwise" if r["optimizer"] in ELEMENTWISE else "other"
         low, high = PEAK_RANGE[kind]
         _within(r, low, high)
+
+
+def test_many_small_buckets_whose_gathers_wait_are_bounded(tmp_path):
+    """With 64 KiB buckets each flat bucket's gather waits for its own
+    update but the next update not for it (mlx_fsdp/step.py): counted apart
+    from the gathers, the update phase of the MLP with SGD at MPI N=3
+    measured 3.68 MiB, 0.1% above it (2026-11-27); with the gather's buffers
+    beside it, 1.14x below."""
+    rows = _bench(3, tmp_path, "--hidden", "256", "--communication-size", "65536",
+                  "--optimizers", "sgd", "adamw", "--modes", "fsdp")
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert r["peak_measured"] <= r["peak_predicted"], r
 
 
 def test_owner_buckets_summed_without_padding_are_bounded(tmp_path):

@@ -129,11 +129,11 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             communication=0, new_parameters=0)
         temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
                                   use_fused_updates(device), device)
-        # Beside them: the division's copy of the reduced pieces, a vector packed ahead
-        vector = max(b.vector for b in state["buckets"])
-        out.append(fsdp_fullest(common, fsdp_buffer_phases(state["buckets"], method), temps,
-                                pieces + vector, vector, device,
-                                not compiled and not any(b.owned for b in state["buckets"])))
+        buckets = state["buckets"]
+        vector = max(b.vector for b in buckets)  # the next bucket's, packed ahead
+        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method), temps, pieces + vector,
+                                vector, device, not compiled and not any(b.owned for b in buckets),
+                                sum(1 for b in buckets if b.held)))
     return out
 
 
