@@ -143,10 +143,8 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         if not bucket.owned:
             # On the CPU the gather's shard and vector would otherwise be
             # allocated while the update's temporaries are alive (see
-            # mlx_fsdp.pace): ring N=2, MLP 4 x 512, the step's peak fell
-            # 24.1 -> 18.5 MiB with SGD, 30.6 -> 27.1 with AdamW, 47.0 -> 38.0
-            # with Muon (whose biases are here). Pacing an owner bucket too
-            # raised the GPT's with Muon, 9.8 -> 10.6 MiB.
+            # mlx_fsdp.pace). Pacing an owner bucket too raised the GPT's
+            # peak with Muon (docs/memory-planner.md).
             mine = dict(zip(mine, pace.after_queue(list(mine.values()), traced)))
         whole = bucketed.gather_bucket(bucket, mine, group, order=order, stream=stream)
         for slot, a in zip(bucket.slots, whole):

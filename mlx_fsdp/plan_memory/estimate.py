@@ -131,9 +131,10 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                                   use_fused_updates(device), device)
         buckets = state["buckets"]
         vector = max(b.vector for b in buckets)  # the next bucket's, packed ahead
+        waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
         out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method), temps, pieces + vector,
-                                vector, device, not compiled and not any(b.owned for b in buckets),
-                                sum(1 for b in buckets if b.held)))
+                                vector, device, gathers_wait=waits,
+                                buckets=sum(1 for b in buckets if b.held)))
     return out
 
 
@@ -256,9 +257,8 @@ def estimate_ranks(
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
     if accumulation not in ACCUMULATION:
-        raise ValueError(
-            f"accumulation={accumulation!r} must be one of {', '.join(ACCUMULATION)}."
-        )
+        raise ValueError(f"accumulation={accumulation!r} must be one of "
+                         f"{', '.join(ACCUMULATION)}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
     if not isinstance(activations, int) or activations < 0:
