@@ -19,7 +19,8 @@ phases can be the fullest:
 
 * **reducing** a bucket: what every other bucket keeps, plus this bucket's
   input and output (half the vector sent and half received under
-  ``exchange``; the vector and the all-summed vector under ``all_sum``; the
+  ``exchange``; under ``all_sum`` the vector alone, which the all-sum
+  overwrites, as MLX's all-sum does with an input nothing else holds; the
   vector and the shard with a native reduce-scatter);
 * **gathering** the fullest bucket: what every bucket keeps, plus the
   bucket's **updated pieces**, the **shard** they are packed into for the
@@ -102,14 +103,19 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     """The input and output buffers of one bucket's reduce-scatter, in bytes.
 
     The vector and the shard (``native``), half the vector sent and half
-    received (``exchange``), or the vector and the all-summed vector
-    (``all_sum``).
+    received (``exchange``), or the vector (``all_sum``): MLX's all-sum
+    writes into its input where nothing else holds it (``AllReduce::eval_cpu``),
+    as nothing does the packed vector (a lone array's vector is its
+    gradient, and there the output is new). At MPI N=4 (``bench_fsdp_phases.py
+    --hidden 256``, 2026-11-27) the MLP 4 x 256's step with SGD peaked at
+    3.51 MiB, 1.25 MiB above its parameters, gradients and state: one
+    vector and the copy of the shard.
     """
-    if bucket.summed:  # the vector of its arrays and their all-sum (mlx_fsdp.summed)
-        return 2 * bucket.vector
+    if bucket.summed:  # its vector and their all-sum (mlx_fsdp.summed), both:
+        return 2 * bucket.vector  # not measured apart since the donation was seen
     if method == "native":
         return bucket.vector + bucket.shard
-    return bucket.vector if method == "exchange" else 2 * bucket.vector
+    return bucket.vector
 
 
 def fsdp_phases(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int, int]:

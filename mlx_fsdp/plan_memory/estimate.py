@@ -130,11 +130,9 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
                                   use_fused_updates(device), device)
         buckets = state["buckets"]
-        vector = max(b.vector for b in buckets)  # the next bucket's, packed ahead
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method), temps, pieces + vector,
-                                vector, device, gathers_wait=waits,
-                                buckets=sum(1 for b in buckets if b.held)))
+        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method), temps, pieces,
+                                buckets, device, gathers_wait=waits))
     return out
 
 

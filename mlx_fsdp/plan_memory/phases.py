@@ -10,11 +10,12 @@ before it (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
 """
 
 from dataclasses import replace
-from typing import Tuple
+from typing import Sequence, Tuple
 
 from .. import layout, pace
 from .fully import BLOCKS_ALIVE, Units
 from .parts import RankMemory, tree_bytes
+from .sharding import BucketBytes
 
 
 def phases_apart(device: str, compiled: bool = False) -> bool:
@@ -29,53 +30,54 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
 
-def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], kept: int,
-                 vector: int, device: str, gathers_wait: bool = False,
-                 buckets: int = 1) -> RankMemory:
+def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], pieces: int,
+                 buckets: Sequence[BucketBytes], device: str,
+                 gathers_wait: bool = False) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
     ``(reducing, gathering)``, each ``(communication, new parameters)``;
     ``temporaries``: the update's ``(side_by_side, ahead)``
-    (:func:`~mlx_fsdp.plan_memory.transient.temporaries_apart`); ``kept``:
-    what the update holds besides them, the reduced pieces with their
-    division's copies and the ``vector`` of the largest bucket, which MLX's
-    run-ahead packs ahead. ``gathers_wait``: no bucket is an owner's, so
-    every all-gather waits for its bucket's update on the CPU
-    (:mod:`mlx_fsdp.step`). Default: ``False``. ``buckets``: how many hold
-    pieces of this rank. Default: ``1``.
+    (:func:`~mlx_fsdp.plan_memory.transient.temporaries_apart`); ``pieces``:
+    the reduced pieces with their division's copies, which the update
+    holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
+    no bucket is an owner's, so every all-gather waits for its bucket's
+    update on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
-    gathering phase alone and the reducing phase counts the vector packed
-    ahead. At MPI N=4 (``bench_plan_memory.py --hidden 256 --modes fsdp``,
-    2026-11-27), where reducing by all-sum is the fuller phase, the bound
-    fell from 1.36-1.67x to 1.27-1.51x the measured peak. Where the gathers
-    wait too, the update is a phase of its own, with one gathered vector
-    beside it (without it, the MLP 4 x 512 with AdamW measured 2.5% above
-    the count), and the gathering phase meets only what the main thread
-    queues ahead of the next update. Over 84 points (ring N=2 and MPI N=3
-    and 4, float32, bfloat16 with masters, both accumulations, 2026-11-27)
-    the steps peaked 0-35% lower once the gathers waited, and the bound
-    stayed 1.13-1.82x their peak (median 1.45); it was 1.08-1.82x (1.36)
-    before both changes, 1.27-2.09x had only the gathers waited. Elsewhere
-    (a GPU, unpaced) the temporaries meet the fuller buffers.
+    gathering phase alone, and the reducing phase counts, past one bucket,
+    the next bucket's vector, which MLX's run-ahead packs ahead. Where the
+    gathers wait too, the update is a phase of its own, and the gathering
+    phase meets only what the main thread queues ahead of the next update.
+    With one bucket nothing of the gather exists during the update; past
+    one, a gather waits for its own bucket's update but the next update not
+    for it, so one bucket's gather (its packed shard and vector) and a
+    second gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with
+    SGD measured 4.6% above the count without the second vector). Over 120
+    points (ring N=2 and MPI N=3 and 4, float32, bfloat16 with masters, both
+    accumulations, 64 KiB buckets, an MLP 8 x 1024 and a GPT 4 x 256;
+    2026-11-27, once the step's last token no longer held the exchange's
+    vector) the bound was 1.02-2.14x the measured peak, median 1.39; counted
+    as before, with the update beside a vector packed ahead and a gathered
+    one, 1.08-2.14x, median 1.53. Elsewhere (a GPU, unpaced) the
+    temporaries meet the fuller buffers.
     """
     (red, red_new), (gat, gat_new) = buffers
     side, ahead = temporaries
-    whole = side + ahead + kept
+    many = sum(1 for b in buckets if b.held) > 1
+    vector = max((b.vector for b in buckets), default=0)  # the next bucket's, packed ahead
+    whole = side + ahead + pieces + vector
     apart = phases_apart(device)
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
                       temporaries=ahead if apart and gathers_wait else whole)]
     if apart and gathers_wait:
-        # A gather waits for its own bucket's update, but the next bucket's
-        # update not for it: past one bucket, a gather's buffers meet it (MPI
-        # N=3, 64 KiB buckets: the MLP with SGD measured 0.1% above without).
-        phases.append(replace(common, communication=kept + (gat if buckets > 1 else 0),
-                              new_parameters=gat_new, temporaries=side + ahead))
+        gather = max(b.packed + b.gathered for b in buckets) if many else 0
+        phases.append(replace(common, communication=pieces + gather,
+                              new_parameters=gat_new if many else 0, temporaries=side + ahead))
     phases.append(replace(common, communication=red, new_parameters=red_new,
-                          temporaries=vector if apart else whole))
+                          temporaries=(vector if many else 0) if apart else whole))
     return max(phases, key=lambda r: r.peak)
 
 
