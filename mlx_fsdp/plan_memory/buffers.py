@@ -18,6 +18,7 @@ starts, which frees the rest, and lives until that bucket's update. Two
 phases can be the fullest:
 
 * **reducing** a bucket: what every other bucket keeps, plus this bucket's
+  (on the CPU, and the buckets after it that MLX's run-ahead reaches)
   input and output (half the vector sent and half received under
   ``exchange``; under ``all_sum`` the vector alone, which the all-sum
   overwrites, as MLX's all-sum does with an input nothing else holds; the
@@ -118,14 +119,16 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     return bucket.vector
 
 
-def fsdp_phases(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int, int]:
+def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
+                ahead: int = 1) -> Tuple[int, int, int]:
     """``(reducing, updating, gathered)``: one FSDP rank's buffers in its two phases.
 
-    ``reducing``: what every other bucket keeps, plus the largest bucket's
-    reduce-scatter buffers. ``updating``: what every bucket keeps, the copies
-    the division by ``N`` makes of it, and the fullest bucket's updated
-    pieces and packed shard; ``gathered``: that bucket's all-gathered vector.
-    ``(0, 0, 0)`` without buckets.
+    ``reducing``: what every other bucket keeps, plus the reduce-scatter
+    buffers of the ``ahead`` consecutive buckets that hold the most (the
+    largest bucket's with ``ahead=1``). ``updating``: what every bucket
+    keeps, the copies the division by ``N`` makes of it, and the fullest
+    bucket's updated pieces and packed shard; ``gathered``: that bucket's
+    all-gathered vector. ``(0, 0, 0)`` without buckets.
     """
     if not buckets:
         return 0, 0, 0
@@ -134,15 +137,23 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str) -> Tuple[int, int, 
     mine = [b for b in buckets if b.held]
     kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
     reduced = sum(kept.values())
-    # While one bucket is reduced: its buffers, next to what the others keep.
-    reducing = reduced + max((reduce_buffers(b, method) for b in mine), default=0)
-    fullest = max(buckets, key=lambda b: b.held + b.packed + b.gathered)
+    # While a bucket is reduced: its buffers and those allocated ahead of it,
+    # next to what the others keep.
+    sizes = [reduce_buffers(b, method) for b in mine]
+    reducing = reduced + max((sum(sizes[i:i + ahead])
+                              for i in range(max(1, len(sizes) - ahead + 1))), default=0)
+    fullest = fullest_gather(buckets)
     divided = sum(b.held for b in mine)
     return reducing, reduced + divided + fullest.held + fullest.packed, fullest.gathered
 
 
-def fsdp_buffer_phases(buckets: Sequence[BucketBytes],
-                       method: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+def fullest_gather(buckets: Sequence[BucketBytes]) -> BucketBytes:
+    """The bucket whose gather holds the most: updated pieces, packed shard, gathered vector."""
+    return max(buckets, key=lambda b: b.held + b.packed + b.gathered)
+
+
+def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
+                       ahead: int = 1) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """``(reducing, gathering)`` of one FSDP rank (see the module docstring).
 
     Each phase of :func:`fsdp_phases` alone, as ``(communication, new
@@ -153,13 +164,16 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes],
     Args:
         buckets (list[BucketBytes]): The rank's bytes of every bucket.
         method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
+        ahead (int): Consecutive buckets whose reduce-scatter buffers are
+            alive at once (:data:`mlx_fsdp.plan_memory.phases.REDUCES_AHEAD`
+            on the CPU). Default: ``1``.
 
     Returns:
         tuple: Bytes; ``((0, 0), (0, 0))`` without buckets.
     """
     if not buckets:
         return (0, 0), (0, 0)
-    reducing, updating, gathered = fsdp_phases(buckets, method)
+    reducing, updating, gathered = fsdp_phases(buckets, method, ahead)
     return (reducing, 0), (updating - sum(b.held for b in buckets if b.held), gathered)
 
 

@@ -44,7 +44,8 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .phases import fsdp_fullest, pass_spare, phases_apart, update_during_backward
+from .phases import (fsdp_fullest, pass_spare, phases_apart, reduces_ahead,
+                     update_during_backward)
 from .transient import temporaries, temporaries_apart
 from .buffers import (ddp_buffers, default_communication_size, default_device,
                       fsdp_buffer_phases, resolve_reduce_scatter)
@@ -131,8 +132,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                                   use_fused_updates(device), device)
         buckets = state["buckets"]
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method), temps, pieces,
-                                buckets, device, gathers_wait=waits))
+        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method, reduces_ahead(device)),
+                                temps, pieces, buckets, device, waits, compiled))
     return out
 
 

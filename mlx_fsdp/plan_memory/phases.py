@@ -15,7 +15,9 @@ from typing import Sequence, Tuple
 from .. import layout, pace
 from .fully import BLOCKS_ALIVE, Units
 from .parts import RankMemory, tree_bytes
+from .buffers import fullest_gather
 from .sharding import BucketBytes
+from .transient import IN_FLIGHT_OPS
 
 
 def phases_apart(device: str, compiled: bool = False) -> bool:
@@ -30,9 +32,25 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
 
+#: Buckets whose reduce-scatter buffers can be alive at once on the CPU: the
+#: main thread allocates each operation's output as it queues it, up to
+#: :data:`~mlx_fsdp.plan_memory.transient.IN_FLIGHT_OPS` ahead of the worker,
+#: and a bucket's reduce-scatter is at least two of them (the packing and
+#: the collective). Measured (MPI N=4, 64 KiB buckets, the MLP 4 x 256 with
+#: SGD, 2026-11-27): the step held every bucket's vector and shard at once,
+#: 1.25 MiB above its parameters, gradients and state; with 16 layers, the
+#: vectors of about seven of its 16 weight buckets, between bias buckets.
+REDUCES_AHEAD = IN_FLIGHT_OPS // 2
+
+
+def reduces_ahead(device: str) -> int:
+    """:data:`REDUCES_AHEAD` on the CPU; one bucket elsewhere (not measured)."""
+    return REDUCES_AHEAD if device == "cpu" else 1
+
+
 def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], pieces: int,
                  buckets: Sequence[BucketBytes], device: str,
-                 gathers_wait: bool = False) -> RankMemory:
+                 gathers_wait: bool = False, compiled: bool = False) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
@@ -43,41 +61,48 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], piec
     holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
     no bucket is an owner's, so every all-gather waits for its bucket's
     update on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
+    ``compiled``: the step is compiled whole, and counted as unpaced (its
+    MPI N=4 points measured up to 5.3% above the paced count). Default: ``False``.
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
-    gathering phase alone, and the reducing phase counts, past one bucket,
-    the next bucket's vector, which MLX's run-ahead packs ahead. Where the
-    gathers wait too, the update is a phase of its own, and the gathering
-    phase meets only what the main thread queues ahead of the next update.
-    With one bucket nothing of the gather exists during the update; past
-    one, a gather waits for its own bucket's update but the next update not
-    for it, so one bucket's gather (its packed shard and vector) and a
-    second gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with
-    SGD measured 4.6% above the count without the second vector). Over 120
-    points (ring N=2 and MPI N=3 and 4, float32, bfloat16 with masters, both
-    accumulations, 64 KiB buckets, an MLP 8 x 1024 and a GPT 4 x 256;
-    2026-11-27, once the step's last token no longer held the exchange's
-    vector) the bound was 1.02-2.14x the measured peak, median 1.39; counted
-    as before, with the update beside a vector packed ahead and a gathered
-    one, 1.08-2.14x, median 1.53. Elsewhere (a GPU, unpaced) the
-    temporaries meet the fuller buffers.
+    gathering phase alone, and the reducing phase counts no temporaries:
+    ``buffers`` holds the buckets the run-ahead reduces at once
+    (:data:`REDUCES_AHEAD`). Where the gathers wait too, the update is a
+    phase of its own, and the gathering phase meets only what the main
+    thread queues ahead of the next update. With one bucket nothing of the
+    gather exists during the update; past one, a gather waits for its own
+    bucket's update but the next update not for it, so one bucket's gather
+    (its packed shard and vector) and a second gathered vector meet it (MPI
+    N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the count
+    without the second vector). The pacing chains' one-element arrays are
+    counted in every phase. Elsewhere (a GPU, unpaced) the temporaries meet
+    the fuller buffers, with the largest bucket's vector packed ahead.
+    Measured: docs/memory-planner.md, "The update waits for the last
+    bucket's token".
     """
     (red, red_new), (gat, gat_new) = buffers
     side, ahead = temporaries
     many = sum(1 for b in buckets if b.held) > 1
-    vector = max((b.vector for b in buckets), default=0)  # the next bucket's, packed ahead
-    whole = side + ahead + pieces + vector
-    apart = phases_apart(device)
+    if not phases_apart(device, compiled):
+        whole = side + ahead + pieces + max((b.vector for b in buckets), default=0)
+        return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
+                    replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
+                   key=lambda r: r.peak)
+    chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0))
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
-                      temporaries=ahead if apart and gathers_wait else whole)]
-    if apart and gathers_wait:
+                      temporaries=chains + side + ahead + pieces)]
+    if gathers_wait:
+        # The update has consumed the gathered bucket's reduced pieces, and
+        # its updated pieces (counted in ``gat``) stand in their place.
+        phases[0] = replace(phases[0], communication=gat - fullest_gather(buckets).held,
+                            temporaries=chains + ahead)
         gather = max(b.packed + b.gathered for b in buckets) if many else 0
         phases.append(replace(common, communication=pieces + gather,
-                              new_parameters=gat_new if many else 0, temporaries=side + ahead))
-    phases.append(replace(common, communication=red, new_parameters=red_new,
-                          temporaries=(vector if many else 0) if apart else whole))
+                              new_parameters=gat_new if many else 0,
+                              temporaries=chains + side + ahead))
+    phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
     return max(phases, key=lambda r: r.peak)
 
 
