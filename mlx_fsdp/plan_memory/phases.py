@@ -96,9 +96,10 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], piec
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
-        phases[0] = replace(phases[0], communication=gat - fullest_gather(buckets).held,
+        fullest = fullest_gather(buckets)
+        phases[0] = replace(phases[0], communication=gat - fullest.held,
                             temporaries=chains + ahead)
-        gather = max(b.packed + b.gathered for b in buckets) if many else 0
+        gather = fullest.packed + fullest.gathered if many else 0
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=gat_new if many else 0,
                               temporaries=chains + side + ahead))
