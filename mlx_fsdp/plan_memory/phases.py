@@ -83,7 +83,6 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], piec
     """
     (red, red_new), (gat, gat_new) = buffers
     side, ahead = temporaries
-    many = sum(1 for b in buckets if b.held) > 1
     if not phases_apart(device, compiled):
         whole = side + ahead + pieces + max((b.vector for b in buckets), default=0)
         return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
@@ -96,7 +95,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], piec
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
-        fullest = fullest_gather(buckets)
+        fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
         phases[0] = replace(phases[0], communication=gat - fullest.held,
                             temporaries=chains + ahead)
         gather = fullest.packed + fullest.gathered if many else 0
