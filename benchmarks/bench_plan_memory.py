@@ -30,7 +30,9 @@ as mlx-lm's trainer (and so ``python -m mlx_fsdp.lora``) runs it.
 Models: the MLP of ``bench_step.py`` and the byte-level GPT of
 ``examples/lm.py``. Rank 0 prints one markdown row per point.
 ``--memory-limit`` sets ``mx.set_memory_limit``: on the CPU, MLX then
-allocates no buffer ahead of the work that fills it.
+allocates no buffer ahead of the work that fills it. ``--unpaced`` turns
+the CPU's pacing off (``mlx_fsdp.pace``), so the step's graph runs in the
+order MLX gives it, as on a GPU.
 
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py
     mpirun --allow-run-as-root --oversubscribe -n 4 python benchmarks/bench_plan_memory.py
@@ -56,7 +58,7 @@ import mlx.nn as nn  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
-from mlx_fsdp import collectives  # noqa: E402
+from mlx_fsdp import collectives, pace  # noqa: E402
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
@@ -241,6 +243,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="compile the step whole with mx.compile, as mlx-lm's trainer does "
                    "(fully_shard and fsdp points only)")
+    p.add_argument("--unpaced", action="store_true",
+                   help="turn the CPU's pacing off (mlx_fsdp.pace.QUEUE_DEPTH = 0): the step "
+                   "runs as on a GPU, which MLX does not pace, and the planner counts it so")
     p.add_argument("--memory-limit", type=parse_size,
                    help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
@@ -272,6 +277,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     group = mx.distributed.init()
+    if args.unpaced:
+        pace.QUEUE_DEPTH = 0
     if args.memory_limit is not None:
         mx.set_memory_limit(args.memory_limit)
     rows = [measure(m, o, mode, args, group, reshard == "on")
@@ -282,7 +289,7 @@ def main(argv=None):
     size = args.communication_size
     buckets = "default buckets" if size is None else f"buckets {size / MiB:g} MiB"
     limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit / MiB:g} MiB"
-    compiled = ", compiled" if args.compile else ""
+    compiled = (", compiled" if args.compile else "") + (", unpaced" if args.unpaced else "")
     print(f"N={group.size()}, {args.dtype}, {buckets}, accumulation {args.accumulation}, MLP "
           f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}, fully_shard wraps "
           f"{args.wrap}{compiled}{limit}; bytes of rank 0, equal = on every rank (fully_shard: "

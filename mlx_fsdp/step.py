@@ -95,6 +95,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     every = [layout.empty_of(g) for g in grads] if traced else []
     held = {}  # path -> summed gradient of what this rank holds of it
     averaged = set()  # paths whose gradient the model averaged over the group
+    mine = []
     for bucket in reversed(plan.buckets):
         if bucket.sharded_params:
             mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
@@ -104,6 +105,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             mine = bucketed.reduce_bucket(bucket, grads, group, method=method, order=order,
                                           stream=stream, dp_group=opts.dp_group)
         held.update((slot.path, g) for slot, g in mine)
+    last = [slot.path for slot, _ in mine]  # the pieces of the bucket reduced last
     del grads
 
     # -- accumulate micro-batches (sharded, or any inside mx.compile) and average
@@ -115,8 +117,10 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     # The last bucket's token is a lazy slice of the buffers it followed (the
     # exchange's whole received vector, an all-sum's total); evaluated only
     # by the first gather, it kept them through the update (MLP 4 x 256, SGD,
-    # ring N=2: 1.0 MiB). The update waits for it, and so it runs first.
-    held = dict(zip(held, order.after(list(held.values()), eager=True)))
+    # ring N=2: 1.0 MiB). That bucket's update now evaluates it. Only that
+    # bucket's: made to wait too, the others' updates ran later on a GPU and
+    # held more (MLP 4 x 2048, 32 MiB buckets, H100: 8 MiB).
+    held.update(zip(last, order.after([held[p] for p in last], eager=True)))
     # On the CPU the update's new state would otherwise be allocated while
     # the last reduce-scatter still holds its buffers (see mlx_fsdp.pace).
     held = dict(zip(held, pace.after_queue(list(held.values()), traced)))
