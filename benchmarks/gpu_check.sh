@@ -7,7 +7,7 @@
 # lease that runs out still returns everything measured so far. Two ranks
 # share the GPU over ring (NCCL needs one GPU per rank). Every output goes
 # to OUT_DIR as it is written: env.txt, yard.txt, step.txt (+ .md tables),
-# suite.txt.
+# planner.txt, suite.txt: seven files (a lent machine returns at most eight).
 #
 # usage: bash benchmarks/gpu_check.sh OUT_DIR SECONDS YARDSTICK [TEST_FILE ...]
 #   YARDSTICK: path of shared/gpu/yardstick.py (copy it into the checkout
@@ -15,6 +15,9 @@
 #   TEST_FILE: names under tests/, e.g. test_fully_shard.py; none runs no tests.
 #   SMALL=1 shrinks every model (a dry run on the CPU).
 #   BENCH=0 skips bench_step (a rerun of test files alone).
+#   PLANNER=1 also runs, alone after bench_step, the fully sharded planner
+#   grid that measured above the plan on an H100 beside seven other
+#   processes (MPI N=3, bfloat16; docs/memory-planner.md, "Left undone").
 #   JOBS=K runs up to K test files at once (16 cores, one GPU: the tests
 #   are small, and the lease is short); each file's output lands whole.
 set -u
@@ -60,6 +63,14 @@ if [ "${BENCH:-1}" != 0 ]; then
     echo "== bench_step, MLP" | tee -a "$out/step.txt"
     ranks 75 "$here/bench_step.py" $mlp $fully --markdown "$out/step_mlp.md" 2>&1 \
         | tee -a "$out/step.txt"
+fi
+
+if [ "${PLANNER:-0}" = 1 ]; then
+    echo "== bench_plan_memory, fully sharded, MPI N=3" | tee "$out/planner.txt"
+    MLX_MPI_LIBNAME=${MLX_MPI_LIBNAME:-libmpi.so.40} timeout 150 mpirun --allow-run-as-root \
+        --oversubscribe -x MLX_MPI_LIBNAME -x PYTHONPATH -n 3 python3 "$here/bench_plan_memory.py" \
+        --hidden 256 --dtype bfloat16 --modes fully_shard --optimizers adamw adafactor \
+        --reshard-after-forward off on --repeat 10 2>&1 | tee -a "$out/planner.txt"
 fi
 
 # The harness turns TF32 off for every rank; here too, for the test process.
