@@ -117,10 +117,13 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     # The last bucket's token is a lazy slice of the buffers it followed (the
     # exchange's whole received vector, an all-sum's total); evaluated only
     # by the first gather, it kept them through the update (MLP 4 x 256, SGD,
-    # ring N=2: 1.0 MiB). That bucket's update now evaluates it. Only that
-    # bucket's: made to wait too, the others' updates ran later on a GPU and
-    # held more (MLP 4 x 2048, 32 MiB buckets, H100: 8 MiB).
-    held.update(zip(last, order.after([held[p] for p in last], eager=True)))
+    # ring N=2: 1.0 MiB). So the update evaluates it: on the CPU all of the
+    # update waits for it (owner buckets' updates otherwise met the last
+    # reduce-scatters: Adafactor, MLP 2 x 1024, ring N=2, 56 -> 72 MiB);
+    # unpaced, only that bucket's update, or the others ran after every
+    # collective and held more (MLP 4 x 2048, 32 MiB buckets, H100: 8 MiB).
+    waiting = list(held) if pace.pacing() else last
+    held.update(zip(waiting, order.after([held[p] for p in waiting], eager=True)))
     # On the CPU the update's new state would otherwise be allocated while
     # the last reduce-scatter still holds its buffers (see mlx_fsdp.pace).
     held = dict(zip(held, pace.after_queue(list(held.values()), traced)))

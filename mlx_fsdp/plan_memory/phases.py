@@ -17,7 +17,7 @@ from .fully import BLOCKS_ALIVE, Units
 from .parts import RankMemory, tree_bytes
 from .buffers import fullest_gather
 from .sharding import BucketBytes
-from .transient import IN_FLIGHT_OPS
+from .transient import IN_FLIGHT_OPS, Temporaries
 
 
 def phases_apart(device: str, compiled: bool = False) -> bool:
@@ -48,15 +48,16 @@ def reduces_ahead(device: str) -> int:
     return REDUCES_AHEAD if device == "cpu" else 1
 
 
-def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], pieces: int,
+def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: int,
                  buckets: Sequence[BucketBytes], device: str,
                  gathers_wait: bool = False, compiled: bool = False) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
     ``(reducing, gathering)``, each ``(communication, new parameters)``;
-    ``temporaries``: the update's ``(side_by_side, ahead)``
-    (:func:`~mlx_fsdp.plan_memory.transient.temporaries_apart`); ``pieces``:
+    ``temporaries``: the update's
+    (:class:`~mlx_fsdp.plan_memory.transient.Temporaries`: under way, queued
+    ahead, and at most, all updates' allocations); ``pieces``:
     the reduced pieces with their division's copies, which the update
     holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
     no bucket is an owner's, so every all-gather waits for its bucket's
@@ -82,26 +83,25 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Tuple[int, int], piec
     bucket's token".
     """
     (red, red_new), (gat, gat_new) = buffers
-    side, ahead = temporaries
     if not phases_apart(device, compiled):
-        whole = side + ahead + pieces + max((b.vector for b in buckets), default=0)
+        whole = temporaries.together + pieces + max((b.vector for b in buckets), default=0)
         return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
                     replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
                    key=lambda r: r.peak)
     chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0))
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
-                      temporaries=chains + side + ahead + pieces)]
+                      temporaries=chains + temporaries.together + pieces)]
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + ahead)
+                            temporaries=chains + temporaries.ahead)
         gather = fullest.packed + fullest.gathered if many else 0
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=gat_new if many else 0,
-                              temporaries=chains + side + ahead))
+                              temporaries=chains + temporaries.together))
     phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
     return max(phases, key=lambda r: r.peak)
 

@@ -32,7 +32,8 @@ AdamW 5 (3), Adam 4 (2), SGD 1 (1), Lion 4 (3), Adafactor on a matrix 5
 (3); compiled as ``fsdp_step`` runs it on a GPU (:mod:`mlx_fsdp.fused`):
 3, 3, 2, 2, 5. So AdamW's and Lion's totals and lives, and SGD's compiled
 total, are above their profiles: the model's margin comes from counting
-the largest updates twice (:func:`in_flight`), not from each profile. A
+the largest updates twice (:func:`in_flight`; in ``fsdp_step``'s phases at
+most all updates' totals, :class:`Temporaries`), not from each profile. A
 bfloat16 parameter updated through its float32 master (2026-11-26, the same
 way, in float32 elements per element) peaked 0.5 above the float32 update
 (its new bfloat16 value) with no memory limit, and 0.5 below to 0.5 above
@@ -87,6 +88,10 @@ IN_FLIGHT_OPS = 50
 #: depends on the chip, and 20 is an assumption there).
 GPU_IN_FLIGHT_OPS = 12 * 20
 
+#: Bytes of one operation's scalar output (Adafactor's norms and rates):
+#: an update's per-element profile leaves them out.
+SCALAR_BYTES = 4
+
 #: Updates under way at once, each holding its ``live`` bytes: fitted to
 #: ``benchmarks/bench_plan_memory.py`` on the CPU (the BFS width over an
 #: update's three chains, 7, over-predicted every point by 1.2-1.9x).
@@ -138,6 +143,22 @@ MASTER_OPS = 2
 #: element where that is more than the eager profile's (measured: compiled
 #: SGD with momentum 2, AdamW and Adam 3, Lion 2, Adafactor 5).
 COMPILED_TOTAL = {"sgd": 2}
+
+
+class Temporaries(NamedTuple):
+    """Bytes the updates under way hold (``side``: :func:`in_flight`'s chains and
+    any workspace), those queued ahead of them (``ahead``), and what every update
+    allocates in all (``most``: totals, workspace, :data:`SCALAR_BYTES` per
+    operation), which no overlap of them can exceed."""
+
+    side: int
+    ahead: int
+    most: int
+
+    @property
+    def together(self) -> int:
+        """``side`` and ``ahead`` at once, at most ``most``."""
+        return min(self.side + self.ahead, self.most)
 
 
 class Update(NamedTuple):
@@ -252,20 +273,18 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
     Returns:
         int: The sum of :func:`temporaries_apart`.
     """
-    return sum(temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays))
+    temps = temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays)
+    return temps.side + temps.ahead
 
 
 def temporaries_apart(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
                       compiled: bool = False, device: str = "cpu",
-                      whole_arrays: bool = False) -> Tuple[int, int]:
-    """:func:`temporaries` in two parts: ``(side_by_side, ahead)``.
+                      whole_arrays: bool = False) -> Temporaries:
+    """:func:`temporaries` in parts (:class:`Temporaries`); its arguments.
 
-    ``side_by_side``: the ``chains`` of :func:`in_flight` and
-    :func:`matmul_workspace`, what the updates under way hold;
-    ``ahead``: what the main thread queued ahead of them (on a GPU over
-    :data:`GPU_IN_FLIGHT_OPS`, of compiled kernels for ``ddp_step``'s
-    compiled update), which can meet whatever the step queues next. The
-    arguments are :func:`temporaries`'.
+    ``ahead`` is counted on a GPU over :data:`GPU_IN_FLIGHT_OPS` (of compiled
+    kernels for ``ddp_step``'s compiled update), and can meet whatever the
+    step queues next.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
@@ -276,4 +295,6 @@ def temporaries_apart(optimizer: str, pieces: Sequence[Tuple[str, object]], mast
     elif device == "gpu" and not compiled:
         window = GPU_IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
-    return chains + matmul_workspace(optimizer, device), ahead
+    workspace = matmul_workspace(optimizer, device)
+    most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
+    return Temporaries(chains + workspace, ahead, most)
