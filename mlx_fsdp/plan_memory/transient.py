@@ -271,7 +271,8 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
             Default: ``False``.
 
     Returns:
-        int: The sum of :func:`temporaries_apart`.
+        int: ``side + ahead`` of :func:`temporaries_apart`, not capped at
+        ``most``: capped, an H100's fully sharded step measured above it.
     """
     temps = temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays)
     return temps.side + temps.ahead
