@@ -231,9 +231,8 @@ def in_flight(updates: Sequence[Update], window: int = IN_FLIGHT_OPS) -> Tuple[i
     the ones the main thread queued ahead of the worker (see the module docstring).
 
     ``chains``: the ``live`` bytes of the :data:`CHAINS` largest updates;
-    ``ahead``: the ``total`` bytes of the largest updates until their
-    operations make ``window`` (the last one in proportion). Default:
-    :data:`IN_FLIGHT_OPS`.
+    ``ahead``: the ``total`` bytes of the largest updates until their operations
+    make ``window`` (the last in proportion). Default: :data:`IN_FLIGHT_OPS`.
     """
     live = sorted((u.live for u in updates), reverse=True)
     chains = sum(live[:CHAINS])
