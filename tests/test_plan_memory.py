@@ -285,11 +285,12 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     one, two = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25, buckets,
                              "cpu", True)
                 for buckets in ([bucket], [bucket, bucket]))
-    assert (one.communication, one.new_parameters, one.temporaries) == (25, 0, 60 + 8)
-    # Under way and queued ahead together hold at most what all updates allocate.
-    capped = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 55), 25, [bucket],
-                          "cpu", True)
-    assert capped.peak == one.peak - 5
+    # The update phase holds the updates under way; what is queued ahead meets the gathers.
+    assert (one.communication, one.new_parameters, one.temporaries) == (25, 0, 50 + 8)
+    # Where both meet (an owner's gather does not wait), at most what all updates allocate.
+    free, capped = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, most), 25,
+                                 [bucket], "cpu", False) for most in (99, 55))
+    assert capped.peak == free.peak - 5
     # Once it waits, the gathering phase holds the bucket's updated pieces in
     # place of its reduced ones: 40 - 10, beside what is queued ahead.
     gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
