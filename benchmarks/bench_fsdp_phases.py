@@ -70,7 +70,7 @@ def measure(model_name: str, optimizer: str, args, group) -> dict:
     mx.clear_cache()
     model = bpm.build(model_name, args)
     plain = shapes.from_tree(model.trainable_parameters(), model_name)
-    grads = bpm.gradients(model, model_name, group.rank())
+    grads = bpm.gradients(model, model_name, group.rank(), args)
     opt = bpm.wrapper(optimizers.make(optimizer), "fsdp", args, group)
     worst = [0, 0, 0]
     for call in range(1 + args.repeat):

@@ -21,14 +21,19 @@ block and the root, or on the whole model with ``--wrap model``, and
 backward and ``opt.update``, one ``mx.eval``, as docs/fully-shard.md's example runs
 them): its peak is in the backward pass, where the gathered parameters live.
 Each rank's parameter and gradient bytes are checked too; the planner's
-activations for these models (not Llama-shaped) are measured on the unwrapped
-model's forward and backward pass (``activations_of``) and given to it.
+activations for the MLP and the GPT (not Llama-shaped) are measured on the
+unwrapped model's forward and backward pass (``activations_of``) and given
+to it; a Llama's are the planner's own count for its batch (4 x 32), so its
+points check the whole plan.
 With ``--compile`` the step (``fully_shard`` or ``fsdp``) is compiled whole
 with ``mx.compile``, its model and optimizer state as inputs and outputs,
 as mlx-lm's trainer (and so ``python -m mlx_fsdp.lora``) runs it.
 
-Models: the MLP of ``bench_step.py`` and the byte-level GPT of
-``examples/lm.py``. Rank 0 prints one markdown row per point.
+Models: the MLP of ``bench_step.py``, the byte-level GPT of
+``examples/lm.py`` and (``--models llama``, with mlx-lm installed) mlx-lm's
+own Llama, the shape users plan for: no biases, RMSNorm, grouped-query
+attention, ``--gpt-layers`` blocks of ``--dims``. Rank 0 prints one
+markdown row per point.
 ``--memory-limit`` sets ``mx.set_memory_limit``: on the CPU, MLX then
 allocates no buffer ahead of the work that fills it. ``--unpaced`` turns
 the CPU's pacing off (``mlx_fsdp.pace``), so the step's graph runs in the
@@ -62,7 +67,8 @@ from mlx_fsdp import collectives, pace  # noqa: E402
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
-from lm import ByteGPT  # noqa: E402
+from lm import VOCAB, ByteGPT  # noqa: E402
+from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
 from lm import loss_fn as lm_loss  # noqa: E402
 from lm import parse_size  # noqa: E402
 
@@ -74,6 +80,9 @@ def build(name: str, args):
     mx.random.seed(0)
     if name == "mlp":
         model = MLP(args.hidden, args.layers)
+    elif name == "llama":  # mlx-lm's own Llama: no biases, RMSNorm, grouped-query attention
+        from bench_activations import build as llama
+        model = llama(llama_shape(args), "float32", checkpoint=False)
     else:
         model = ByteGPT(args.dims, args.gpt_layers, heads=4, seq_len=64)
     if args.dtype != "float32":
@@ -82,23 +91,28 @@ def build(name: str, args):
     return model
 
 
-def loss_of(model, name: str, rank: int):
+def llama_shape(args) -> Shape:
+    """The ``--models llama`` shape: ``--gpt-layers`` blocks of ``--dims``, 4 heads, 2 KV heads."""
+    return Shape(args.gpt_layers, args.dims, 11 * args.dims // 4, VOCAB, 4, 2)
+
+
+def loss_of(model, name: str, rank: int, args):
     """This rank's loss function on fixed inputs (of the model before wrapping)."""
     key = mx.random.key(100 + rank)
     if name == "mlp":
         x = mx.random.normal((8, model.layers[0].weight.shape[1]), key=key)
         return lambda m: (m(x).astype(mx.float32) ** 2).mean()
-    tokens = mx.random.randint(0, 256, (4, 33), key=key)
+    tokens = mx.random.randint(0, VOCAB, (args.batch_size, args.seq_len + 1), key=key)
     return lambda m: lm_loss(m, tokens[:, :-1], tokens[:, 1:])
 
 
-def gradients(model, name: str, rank: int):
+def gradients(model, name: str, rank: int, args):
     """This rank's gradients from one real backward pass, evaluated and then held fixed.
 
     Real gradients, not random arrays: MLX returns a ``Linear`` weight's
     gradient as a transposed view, and the step's copies depend on that.
     """
-    _, grads = nn.value_and_grad(model, loss_of(model, name, rank))(model)
+    _, grads = nn.value_and_grad(model, loss_of(model, name, rank, args))(model)
     mx.eval(grads)
     return grads
 
@@ -125,7 +139,7 @@ def fully_shard(model, name: str, optimizer, reshard: bool, args, group):
     if args.communication_size is not None:
         kwargs["communication_size"] = args.communication_size
     if args.wrap == "blocks":
-        blocks = model.layers if name == "mlp" else model.blocks
+        blocks = model.blocks if name == "gpt" else model.layers
         for i in range(len(blocks)):
             blocks[i] = mlx_fsdp.fully_shard(blocks[i], reshard_after_forward=reshard, **kwargs)
         return mlx_fsdp.fully_shard(model, **kwargs)
@@ -172,12 +186,15 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     fully = mode == "fully_shard"
     activations = 0
     if fully:
-        loss = loss_of(model, model_name, group.rank())
-        activations = activations_of(model, loss)
+        loss = loss_of(model, model_name, group.rank(), args)
+        # A Llama's activations are the planner's own count, as a user's plan has them.
+        activations = (activations_of(model, loss) if model_name != "llama" else
+                       activation_bytes(llama_shape(args), args.batch_size, args.seq_len,
+                                        getattr(mx, args.dtype).size, device=default_device()))
         model = fully_shard(model, model_name, inner, reshard, args, group)
         value_and_grad = nn.value_and_grad(model, loss)
     else:
-        fixed = gradients(model, model_name, group.rank())
+        fixed = gradients(model, model_name, group.rank(), args)
     opt = wrapper(inner, mode, args, group)
     predicted = estimate(
         plain, optimizer, mode, group.size(),
@@ -229,7 +246,9 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", choices=("mlp", "gpt"), default=["mlp", "gpt"])
+    p.add_argument("--models", nargs="+", choices=("mlp", "gpt", "llama"), default=["mlp", "gpt"],
+                   help="llama: mlx-lm's Llama (needs mlx-lm), --gpt-layers blocks of --dims "
+                   "(default mlp gpt)")
     p.add_argument("--optimizers", nargs="+", choices=list(optimizers.OPTIMIZERS),
                    default=list(optimizers.OPTIMIZERS))
     p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp", "fully_shard"),
@@ -252,6 +271,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
     p.add_argument("--dims", type=int, default=128, help="GPT width (default 128)")
     p.add_argument("--gpt-layers", type=int, default=2, help="GPT blocks (default 2)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="the GPT's and the Llama's sequences per batch (default 4)")
+    p.add_argument("--seq-len", type=int, default=32,
+                   help="their tokens per sequence (default 32; the GPT takes at most 64)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter dtype; bfloat16 gets float32 masters (default float32)")
     p.add_argument("--communication-size", type=int,
@@ -268,6 +291,9 @@ def parse_args(argv=None):
                    "3 for a quicker look that may miss the fullest step)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
+    if args.seq_len > 64 and "gpt" in args.models:
+        p.error(f"--seq-len {args.seq_len}: the GPT's position table holds 64; pass at most "
+                "64, or --models mlp llama")
     if args.compile and "ddp" in args.modes:
         p.error("--compile measures fsdp_step's whole steps: pass --modes fully_shard and/or "
                 "fsdp (ddp_step's compiled update: MLX_FSDP_FUSED_UPDATE=1)")
@@ -291,7 +317,8 @@ def main(argv=None):
     limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit / MiB:g} MiB"
     compiled = (", compiled" if args.compile else "") + (", unpaced" if args.unpaced else "")
     print(f"N={group.size()}, {args.dtype}, {buckets}, accumulation {args.accumulation}, MLP "
-          f"{args.layers}x{args.hidden}, GPT {args.gpt_layers}x{args.dims}, fully_shard wraps "
+          f"{args.layers}x{args.hidden}, GPT/Llama {args.gpt_layers}x{args.dims} on batches of "
+          f"{args.batch_size}x{args.seq_len}, fully_shard wraps "
           f"{args.wrap}{compiled}{limit}; bytes of rank 0, equal = on every rank (fully_shard: "
           "parameters and gradients too); peak: max over ranks")
     print("| model | optimizer | mode | state B | masters B | accumulated B | equal | "

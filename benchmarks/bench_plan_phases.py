@@ -62,7 +62,7 @@ def measure(model_name: str, optimizer: str, reshard: bool, args, group) -> dict
     model = bpm.build(model_name, args)
     plain = shapes.from_tree(model.trainable_parameters(), model_name)
     inner = optimizers.make(optimizer)
-    loss = bpm.loss_of(model, model_name, group.rank())
+    loss = bpm.loss_of(model, model_name, group.rank(), args)
     activations = bpm.activations_of(model, loss)
     model = bpm.fully_shard(model, model_name, inner, reshard, args, group)
     value_and_grad = nn.value_and_grad(model, loss)

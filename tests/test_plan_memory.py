@@ -299,6 +299,12 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
         (30, 30, 10 + 8)
     assert (two.communication, two.new_parameters) == (25 + 5 + 30, 30)
     assert two.peak == one.peak + 5 + 30 + 30 + 4
+    # The second gathered vector is another bucket's, not the fullest one's
+    # again (mlx-lm's Llama 6 x 192 at MPI N=3: 1.34x -> 1.26x).
+    small = bucket._replace(vector=8, shard=4, held=4, packed=2, gathered=12)
+    mixed = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25,
+                         [small, bucket], "cpu", True)
+    assert (mixed.communication, mixed.new_parameters) == (25 + 5 + 30, 12)
     # The reducing phase: its buffers (the run-ahead's buckets) and the chain.
     reducing = fsdp_fullest(base, ((90, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
                             "cpu", True)
@@ -685,6 +691,35 @@ def test_owner_buckets_summed_without_padding_are_bounded(tmp_path):
         _within(r, PEAK_RANGE["other"][0], 1.0)
 
 
+def test_an_mlx_lm_llama_step_is_within_1_3x_of_the_bound(tmp_path):
+    """mlx-lm's Llama, the shape users plan for (no biases, RMSNorm,
+    grouped-query attention), every optimizer under ``ddp_step`` and
+    ``fsdp_step`` at ring N=2: measured <= predicted <= 1.3 x measured, the
+    issue's bound, which about half of the MLP's and GPT's FSDP points miss
+    (docs/memory-planner.md, "Llama"). Measured 2026-11-27: 1.007-1.201."""
+    pytest.importorskip("mlx_lm")
+    rows = _bench(2, tmp_path, "--models", "llama", "--dims", "256", "--gpt-layers", "4")
+    assert len(rows) == 2 * len(optimizers.OPTIMIZERS)
+    for r in rows:
+        assert r["equal"], r
+        assert r["peak_measured"] <= r["peak_predicted"] <= 1.3 * r["peak_measured"], r
+
+
+def test_a_fully_sharded_llama_is_bounded_with_the_planners_own_activations(tmp_path):
+    """The whole plan of a fully sharded mlx-lm Llama, its activations
+    counted by the planner for the batch (8 x 128), not measured: with the
+    activations fitted on batches of up to 4 x 256, the step without
+    resharding measured 1.07x above the bound (2026-11-27)."""
+    pytest.importorskip("mlx_lm")
+    rows = _bench(2, tmp_path, "--models", "llama", "--dims", "256", "--gpt-layers", "4",
+                  "--modes", "fully_shard", "--reshard-after-forward", "off", "on",
+                  "--optimizers", "adamw", "--batch-size", "8", "--seq-len", "128")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["equal"], r
+        assert r["peak_measured"] <= r["peak_predicted"], r
+
+
 def test_fully_sharded_bytes_equal_measured_and_peak_within_margin(tmp_path):
     """Parameters, gradients, state and masters of every rank to the byte; N=3
     leaves the last rank fewer rows, and Adafactor keeps whole arrays on owners."""
@@ -838,7 +873,8 @@ def test_a_gpu_plan_covers_the_peaks_an_h100_measured(name, flags, optimizer, mo
     import bench_plan_memory as bpm
     args = bpm.parse_args(["--models", name, *flags])
     model = bpm.build(name, args)
-    acts = bpm.activations_of(model, bpm.loss_of(model, name, 0)) if mode == "fully_shard" else 0
+    acts = (bpm.activations_of(model, bpm.loss_of(model, name, 0, args))
+            if mode == "fully_shard" else 0)
     plain = shapes.from_tree(model.trainable_parameters(), name)
     ranks = estimate(plain, optimizer, mode, n, device="gpu", every_rank=True,
                      communication_size=args.communication_size, activations=acts,
@@ -900,9 +936,13 @@ def test_masters_and_accumulation_bytes_equal_measured(tmp_path):
             assert r["masters_measured"][0] > 0 and r["accumulation_measured"][0] > 0, r
 
 
-def test_activations_bound_a_real_mlx_lm_llama():
+@pytest.mark.parametrize("batch,seq", [(2, 128), (16, 64)])
+def test_activations_bound_a_real_mlx_lm_llama(batch, seq):
     """measured <= predicted <= 1.7 x measured for a tiny mlx-lm Llama on the CPU,
-    with and without mx.checkpoint per block (benchmarks/bench_activations.py)."""
+    with and without mx.checkpoint per block (benchmarks/bench_activations.py).
+    Counted as what a layer keeps, 16 sequences of 64 measured 1.05x above
+    the count (2026-11-27): the CPU's backward pass allocates ahead of its
+    worker, more the larger its operations."""
     pytest.importorskip("mlx_lm")
     import sys
     sys.path.insert(0, "benchmarks")
@@ -910,8 +950,8 @@ def test_activations_bound_a_real_mlx_lm_llama():
     from mlx_fsdp.plan_memory.activations import Shape, activation_bytes
     shape = Shape(2, 128, 352, 512, 4, 2)
     for checkpoint in (False, True):
-        got = measure(shape, 2, 128, "float32", checkpoint, 1)
-        want = activation_bytes(shape, 2, 128, 4, checkpoint, "cpu")
+        got = measure(shape, batch, seq, "float32", checkpoint, 2)
+        want = activation_bytes(shape, batch, seq, 4, checkpoint, "cpu")
         assert got <= want <= 1.7 * got, (checkpoint, got, want)
 
 

@@ -29,18 +29,25 @@ against these counts.
 
 from typing import NamedTuple
 
-#: Arrays one layer keeps per token, in units of (dims, kv_dims, ffn); fitted
-#: to mlx-lm's llama on the CPU (``benchmarks/bench_activations.py``).
-PER_LAYER = (8, 2, 3)
+#: Arrays one layer keeps per token, in units of (dims, kv_dims, ffn): what
+#: it keeps (8, 2, 3 by the list above) and what the CPU's backward pass
+#: allocates ahead of its worker, which grows with the operations' size.
+#: Fitted as an upper bound to mlx-lm's llama on the CPU
+#: (``benchmarks/bench_activations.py``, 2026-11-27: 160 points, five shapes
+#: of 2 to 8 layers of 128 to 512, batches 1 x 128 to 16 x 128 and 4 x 512,
+#: float32 and bfloat16, with and without ``mx.checkpoint``). Counted as
+#: kept, (8, 2, 3), batches of 8 x 128 and 16 x 64 measured up to 1.17x
+#: above the count: those are the sizes that train.
+PER_LAYER = (11, 4, 4)
 #: Arrays of ``batch x heads x seq x seq`` scores per layer, in the
 #: activations' dtype: (kept by every layer, alive in one backward pass).
-SCORES = {"cpu": (2, 0), "gpu": (0, 3)}
+SCORES = {"cpu": (1.5, 0), "gpu": (0, 3)}
 #: Copies of the ``batch x seq x vocab`` logits alive at once: the logits, the
 #: loss's softmax and their gradients (without, with ``mx.checkpoint``).
-LOGITS = (4, 2)
+LOGITS = (2, 3)
 #: The backward pass of the fullest block, in its kept activations: its
 #: gradients (and with ``mx.checkpoint`` its recomputed activations too).
-BACKWARD = (1, 3)
+BACKWARD = (1, 2.5)
 #: Bytes of half-precision activations per nominal byte (float32 steps inside).
 HALF = 1.2
 #: What a checkpointed block keeps, in units of ``dims`` per token.

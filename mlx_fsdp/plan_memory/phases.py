@@ -74,9 +74,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     thread queues ahead of the next update. With one bucket nothing of the
     gather exists during the update; past one, a gather waits for its own
     bucket's update but the next update not for it, so one bucket's gather
-    (its packed shard and vector) and a second gathered vector meet it (MPI
-    N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the count
-    without the second vector). The pacing chains' one-element arrays are
+    (its packed shard and vector) and another bucket's gathered vector meet
+    it (MPI N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the
+    count without that vector). The pacing chains' one-element arrays are
     counted in every phase. Elsewhere (a GPU, unpaced) the temporaries meet
     the fuller buffers, with the largest bucket's vector packed ahead.
     Measured: docs/memory-planner.md, "The update waits for the last
@@ -104,8 +104,14 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # between them the update holds what is under way (2026-11-27: the
         # 258 points of "Margin", the MLP at MPI N=4 with 64 KiB buckets
         # within 568-696 bytes).
+        # The second vector is another bucket's: counting the fullest twice
+        # read 1.34x on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two
+        # buckets of 3.86 and 1.08 MiB), 1.26x so (2026-11-27).
+        others = list(buckets)
+        others.remove(fullest)
+        second = max((b.gathered for b in others), default=0)
         phases.append(replace(common, communication=pieces + gather,
-                              new_parameters=gat_new if many else 0,
+                              new_parameters=second if many else 0,
                               temporaries=chains + temporaries.side))
     phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
     return max(phases, key=lambda r: r.peak)
