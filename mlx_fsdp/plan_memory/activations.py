@@ -6,8 +6,9 @@ RMS norm, grouped-query attention with RoPE, SwiGLU MLP) that is, per
 token, in the parameters' dtype: the layer's input and its two normalized
 copies, the queries, keys and values before and after RoPE, the attention
 output (and its contiguous copy), the residual sum, the gate, up and SwiGLU
-products and the MLP's output: :data:`PER_LAYER` counts them in units of
-``dims``, ``kv_dims`` and ``ffn``.
+products and the MLP's output, 8, 2 and 3 arrays of ``dims``, ``kv_dims``
+and ``ffn``; :data:`PER_LAYER` counts them, and what the CPU's backward
+pass allocates ahead of its worker on top.
 
 Attention's ``heads x seq x seq`` scores: on the CPU, MLX computes
 ``mx.fast.scaled_dot_product_attention`` with its unfused operations, so
@@ -36,7 +37,7 @@ from typing import NamedTuple
 #: (``benchmarks/bench_activations.py``, 2026-11-27: 160 points, five shapes
 #: of 2 to 8 layers of 128 to 512, batches 1 x 128 to 16 x 128 and 4 x 512,
 #: float32 and bfloat16, with and without ``mx.checkpoint``). Counted as
-#: kept, (8, 2, 3), batches of 8 x 128 and 16 x 64 measured up to 1.17x
+#: kept, (8, 2, 3), batches of 16 x 64 to 16 x 128 measured up to 1.17x
 #: above the count: those are the sizes that train.
 PER_LAYER = (11, 4, 4)
 #: Arrays of ``batch x heads x seq x seq`` scores per layer, in the
