@@ -23,8 +23,8 @@ them): its peak is in the backward pass, where the gathered parameters live.
 Each rank's parameter and gradient bytes are checked too; the planner's
 activations for the MLP and the GPT (not Llama-shaped) are measured on the
 unwrapped model's forward and backward pass (``activations_of``) and given
-to it; a Llama's are the planner's own count for its batch (4 x 32), so its
-points check the whole plan.
+to it; a Llama's are the planner's own count for its batch (``--batch-size``
+x ``--seq-len``), so its points check the whole plan.
 With ``--compile`` the step (``fully_shard`` or ``fsdp``) is compiled whole
 with ``mx.compile``, its model and optimizer state as inputs and outputs,
 as mlx-lm's trainer (and so ``python -m mlx_fsdp.lora``) runs it.
@@ -64,11 +64,11 @@ import mlx.nn as nn  # noqa: E402
 import mlx_fsdp  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
 from mlx_fsdp import collectives, pace  # noqa: E402
+from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
 from lm import VOCAB, ByteGPT  # noqa: E402
-from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
 from lm import loss_fn as lm_loss  # noqa: E402
 from lm import parse_size  # noqa: E402
 
