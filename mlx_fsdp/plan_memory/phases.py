@@ -104,9 +104,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # between them the update holds what is under way (2026-11-27: the
         # 258 points of "Margin", the MLP at MPI N=4 with 64 KiB buckets
         # within 568-696 bytes).
-        # The second vector is another bucket's: counting the fullest twice
-        # read 1.34x on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two
-        # buckets of 3.86 and 1.08 MiB), 1.26x so (2026-11-27).
+        # The second vector is another bucket's: counting the fullest twice,
+        # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
+        # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).
         others = list(buckets)
         others.remove(fullest)
         second = max((b.gathered for b in others), default=0)
