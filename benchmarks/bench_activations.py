@@ -3,10 +3,14 @@
 For each size: build ``mlx_lm.models.llama.Model`` from a config, run
 ``nn.value_and_grad`` of mlx-lm's cross-entropy on a random batch (one
 ``mx.eval`` of the loss and the gradients), and compare
-``mx.get_peak_memory()`` less the parameters and gradients (the
-activations) with :func:`mlx_fsdp.plan_memory.activations.activation_bytes`.
+``mx.get_peak_memory()`` less the parameters (the activations) with :func:`mlx_fsdp.plan_memory.activations.activation_bytes`.
 ``--checkpoint on`` wraps every block in ``mx.checkpoint`` as
-``mlx_lm.tuner.trainer.grad_checkpoint`` does. One process, no ranks.
+``mlx_lm.tuner.trainer.grad_checkpoint`` does; ``remat`` recomputes every
+block as ``fully_shard``'s resharded blocks do
+(:func:`mlx_fsdp.fully_sharded.remat.remat`, unpaced: one process), counted
+as ``mx.checkpoint``'s. The gradients made by the pass's fullest moment are
+in what is measured, so it is an upper bound of the activations alone. One
+process, no ranks.
 
     python benchmarks/bench_activations.py
     python benchmarks/bench_activations.py --sizes 2x128 4x256 --checkpoint off on --dtype bfloat16
@@ -23,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from mlx_fsdp.fully_sharded.remat import remat  # noqa: E402
 from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 
@@ -46,9 +51,31 @@ def build(shape: Shape, dtype: str, checkpoint: bool):
     return model
 
 
-def measure(shape: Shape, batch: int, seq: int, dtype: str, checkpoint: bool, repeat: int) -> int:
-    """Peak bytes of forward and backward less the parameters and gradients (max of runs)."""
-    model = build(shape, dtype, checkpoint)
+class Recomputed(nn.Module):
+    """A block recomputed in the backward pass by ``fully_shard``'s own rule."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        self.use_sliding = getattr(block, "use_sliding", False)  # mlx-lm's Llama asks
+
+    def __call__(self, *args, **kwargs):
+        def body(params, *a, **k):
+            saved = self.block.trainable_parameters()
+            self.block.update(params)
+            try:
+                return self.block(*a, **k)
+            finally:
+                self.block.update(saved)
+        return remat(body, self.block.trainable_parameters(), *args, **kwargs)
+
+
+def measure(shape: Shape, batch: int, seq: int, dtype: str, checkpoint, repeat: int) -> int:
+    """Peak bytes of forward and backward less the parameters (max of runs); the
+    gradients made by then are in it. ``checkpoint``: ``False``, ``True`` or ``"remat"``."""
+    model = build(shape, dtype, checkpoint is True)
+    if checkpoint == "remat":
+        model.model.layers = [Recomputed(b) for b in model.model.layers]
     tokens = mx.random.randint(0, shape.vocab, (batch, seq + 1), key=mx.random.key(0))
 
     def loss(m):
@@ -68,7 +95,7 @@ def measure(shape: Shape, batch: int, seq: int, dtype: str, checkpoint: bool, re
         mx.eval(value, grads)
         worst = max(worst, mx.get_peak_memory() - before - state)
         del value, grads
-    if checkpoint:  # grad_checkpoint patched the class: undo it for the next model
+    if checkpoint is True:  # grad_checkpoint patched the class: undo it for the next model
         from mlx_lm.models import llama
         llama.TransformerBlock.__call__ = llama.TransformerBlock.__call__.__closure__[0].cell_contents
     return worst
@@ -94,12 +121,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_args(p)
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
-    p.add_argument("--checkpoint", nargs="+", default=["off", "on"], choices=("off", "on"))
+    p.add_argument("--checkpoint", nargs="+", default=["off", "on"], choices=("off", "on", "remat"),
+                   help="off, on (mx.checkpoint per block), remat (fully_shard's recomputation)")
     p.add_argument("--repeat", type=int, default=2, help="runs per point; the peak is the highest")
     args = p.parse_args(argv)
     shape = shape_of(args)
     device = default_device()
-    print(f"mlx-lm llama {shape}, {device}; activations = peak - parameters - gradients")
+    print(f"mlx-lm llama {shape}, {device}; activations = peak - parameters (the gradients made by then in it)")
     print("| dtype | batch x seq | checkpoint | predicted MiB | measured MiB | predicted / measured |")
     print("|---|---|---|---:|---:|---:|")
     ratios = []
@@ -107,9 +135,10 @@ def main(argv=None):
         for size in args.sizes:
             batch, seq = map(int, size.split("x"))
             for ck in args.checkpoint:
-                got = measure(shape, batch, seq, dtype, ck == "on", args.repeat)
+                got = measure(shape, batch, seq, dtype,
+                              {"off": False, "on": True}.get(ck, ck), args.repeat)
                 want = activation_bytes(shape, batch, seq, getattr(mx, dtype).size,
-                                        ck == "on", device)
+                                        ck != "off", device)
                 ratios.append(want / got)
                 print(f"| {dtype} | {size} | {ck} | {want / MiB:.2f} | {got / MiB:.2f} | "
                       f"{want / got:.3f} |", flush=True)

@@ -64,7 +64,8 @@ import mlx.nn as nn  # noqa: E402
 import mlx_fsdp  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
 from mlx_fsdp import collectives, pace  # noqa: E402
-from mlx_fsdp.plan_memory.activations import Shape, activation_bytes  # noqa: E402
+from mlx_fsdp.plan_memory.activations import (  # noqa: E402
+    Shape, activation_bytes, pass_of)
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
 from mlx_fsdp.plan_memory.estimate import tree_bytes  # noqa: E402
 from _common import MLP  # noqa: E402
@@ -190,7 +191,9 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
         # A Llama's activations are the planner's own count, as a user's plan has them.
         activations = (activations_of(model, loss) if model_name != "llama" else
                        activation_bytes(llama_shape(args), args.batch_size, args.seq_len,
-                                        getattr(mx, args.dtype).size, device=default_device()))
+                                        getattr(mx, args.dtype).size, device=default_device(),
+                                        **pass_of(mode, args.wrap, reshard, args.compile,
+                                                  default_device())))
         model = fully_shard(model, model_name, inner, reshard, args, group)
         value_and_grad = nn.value_and_grad(model, loss)
     else:

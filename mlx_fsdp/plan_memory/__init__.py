@@ -16,6 +16,15 @@ From Python::
     ranks = estimate(model, "adamw", "fsdp", 8, master_dtype="float32")
     print(max(r.peak for r in ranks))
     ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True)
+
+With a batch, the activations as that mode's pass holds them (resharded
+blocks recompute theirs)::
+
+    from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape, pass_of
+    how = pass_of("fully_shard", reshard_after_forward=True, device="gpu")
+    acts = activation_bytes(llama_shape(model), 1, 2048, 2, device="gpu", **how)
+    ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True,
+                     device="gpu", activations=acts)
 """
 
 from . import optimizers, shapes

@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import sys
+from typing import Optional
 
 import mlx.core as mx
 
@@ -18,7 +19,7 @@ from .buffers import BACKENDS, DEVICES, default_device
 from .estimate import ACCUMULATION, MODES, estimate_ranks
 from .fully import WRAPS
 from .render import render, render_fit
-from .activations import activation_bytes, llama_shape
+from .activations import activation_bytes, llama_shape, pass_of
 from .lora import adapter_activations, with_lora
 from .report import Row, dominant, fewest_ranks, largest_batch
 
@@ -165,13 +166,18 @@ def fine_tuned(args):
     return lambda model: with_lora(model, args.lora_rank, args.num_layers)
 
 
-def activations_of(model: shapes.Model, args):
-    """``batch -> activation bytes`` of ``model`` at ``--seq-len`` (a Llama-style model)."""
+def activations_of(model: shapes.Model, args, mode: str, reshard: Optional[bool] = None):
+    """``batch -> activation bytes`` of ``model`` (a Llama-style model) at ``--seq-len``
+    in ``mode``: checkpointed per block with ``--grad-checkpoint``, or where
+    fully_shard's blocks recompute theirs (resharded; ``reshard``: Default:
+    ``--reshard-after-forward``)."""
     shape = llama_shape(model)
     dtype = args.dtype or sorted(a.dtype for a in model.arrays)[0]
     size = getattr(mx, dtype).size
+    reshard = args.reshard_after_forward if reshard is None else reshard
+    how = pass_of(mode, args.wrap, reshard, args.compiled, args.device, args.grad_checkpoint)
     return lambda batch: activation_bytes(shape, batch, args.seq_len, size,
-                                          args.grad_checkpoint, args.device) + \
+                                          device=args.device, **how) + \
         adapter_activations(model, batch, args.seq_len, size)
 
 
@@ -190,10 +196,15 @@ def plan(model: shapes.Model, args):
     ``--memory``), and fully_shard at the largest N with reshard_after_forward (where it
     is off and every block is wrapped)."""
     options = options_of(args)
-    if args.batch_size:
-        options["activations"] = activations_of(model, args)(args.batch_size)
+
+    def at(mode: str, reshard: Optional[bool] = None) -> dict:
+        if not args.batch_size:
+            return options
+        acts = activations_of(model, args, mode, reshard)(args.batch_size)
+        return dict(options, activations=acts)
+
     results = {
-        name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **options))
+        name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **at(mode)))
                for mode in args.mode for n in sorted(set(args.ranks))]
         for name in args.optimizer
     }
@@ -201,22 +212,22 @@ def plan(model: shapes.Model, args):
     sharded = [m for m in args.mode if m != "ddp"] if args.memory is not None else []
     for mode in sharded:
         for name in args.optimizer:
-            n, why = fewest_ranks(model, name, args.memory, args.max_ranks, mode, **options)
+            n, why = fewest_ranks(model, name, args.memory, args.max_ranks, mode, **at(mode))
             needed.setdefault(mode, {})[name] = {"world_size": n, "why": why}
             if n is not None:
-                rank = Row(name, mode, n, estimate_ranks(model, name, mode, n, **options)).fullest
+                rank = Row(name, mode, n, estimate_ranks(model, name, mode, n, **at(mode))).fullest
                 needed[mode][name]["dominates"] = dominant(rank)
             if args.batch_size:
-                at = max(args.ranks)
-                options_b = {k: v for k, v in options.items() if k != "activations"}
-                needed[mode][name]["largest_batch"] = (at, largest_batch(
-                    model, name, mode, at, args.memory, activations_of(model, args),
-                    **options_b))
+                largest_at = max(args.ranks)
+                needed[mode][name]["largest_batch"] = (largest_at, largest_batch(
+                    model, name, mode, largest_at, args.memory,
+                    activations_of(model, args, mode), **options))
     resharded = {}
     if "fully_shard" in args.mode and args.wrap == "blocks" and not args.reshard_after_forward:
-        n, options["reshard_after_forward"] = max(args.ranks), True
+        n = max(args.ranks)
+        options_r = dict(at("fully_shard", True), reshard_after_forward=True)
         resharded = {name: Row(name, "fully_shard", n,
-                               estimate_ranks(model, name, "fully_shard", n, **options))
+                               estimate_ranks(model, name, "fully_shard", n, **options_r))
                      for name in args.optimizer}
     return results, needed, resharded
 
@@ -226,7 +237,7 @@ def main(argv=None) -> int:
     try:
         if args.fit:
             fields = shape_fields(p, args)
-            acts = (lambda m: activations_of(m, args)(args.batch_size)) \
+            acts = (lambda m, mode: activations_of(m, args, mode)(args.batch_size)) \
                 if args.batch_size else None
             fits = fit.search(fields, args.optimizer, args.mode, args.ranks, args.memory,
                               activations=acts, transform=fine_tuned(args),

@@ -24,11 +24,19 @@ activations), come on top.
 With ``mx.checkpoint`` around every block (``checkpoint=True``, as
 ``mlx_lm.tuner.trainer.grad_checkpoint`` wraps them), a block keeps only
 its input, and the backward pass recomputes one block's activations at a
-time. ``benchmarks/bench_activations.py`` measures a real mlx-lm model
-against these counts.
+time. ``fully_shard``'s resharded blocks do the same: each runs again in
+the backward pass as it gathers its parameters again
+(:mod:`mlx_fsdp.fully_sharded.remat`), so they are counted checkpointed
+(:func:`pass_of`); on the CPU, where that backward pass is paced a block
+at a time, with :data:`PACED` in place of :data:`BACKWARD`.
+``benchmarks/bench_activations.py`` measures a real mlx-lm model against
+these counts, ``benchmarks/bench_plan_memory.py --models llama`` whole
+fully sharded steps.
 """
 
 from typing import NamedTuple
+
+from .phases import phases_apart
 
 #: Arrays one layer keeps per token, in units of (dims, kv_dims, ffn): what
 #: it keeps (8, 2, 3 by the list above) and what the CPU's backward pass
@@ -49,6 +57,17 @@ LOGITS = (2, 3)
 #: The backward pass of the fullest block, in its kept activations: its
 #: gradients (and with ``mx.checkpoint`` its recomputed activations too).
 BACKWARD = (1, 2.5)
+#: The same for a block recomputed in a backward pass paced a block at a
+#: time (``fully_shard``'s resharded blocks on the CPU): its kept
+#: activations, then more arrays of its scores (the unfused attention's
+#: backward). Fitted as an upper bound with 3% to spare to 54 fully sharded
+#: steps of mlx-lm's llama (``bench_plan_memory.py --models llama
+#: --reshard-after-forward on``, 2026-11-28: 2 to 8 layers of 128 to 512,
+#: batches 1 x 128 to 16 x 64 and 1 x 1024, float32 and bfloat16, ring N=2
+#: and MPI N=3, SGD, AdamW and Muon), which needed 0.2 to 1.95 kept layers
+#: (the most at 1 x 1024, where the scores are most of a layer), against
+#: 2.5 unpaced: paced, one block's recomputation is queued at a time.
+PACED = (1.5, 1.5)
 #: Bytes of half-precision activations per nominal byte (float32 steps inside).
 HALF = 1.2
 #: What a checkpointed block keeps, in units of ``dims`` per token.
@@ -76,7 +95,7 @@ class Shape(NamedTuple):
 
 
 def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
-                     checkpoint: bool = False, device: str = "gpu") -> int:
+                     checkpoint: bool = False, device: str = "gpu", paced: bool = False) -> int:
     """Bytes the forward and backward pass of one batch holds at its fullest.
 
     Args:
@@ -88,6 +107,9 @@ def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
         checkpoint (bool): ``mx.checkpoint`` around every block. Default: ``False``.
         device (str): ``"cpu"`` or ``"gpu"`` (see the module docstring).
             Default: ``"gpu"``.
+        paced (bool): With ``checkpoint``: the blocks recompute in a backward
+            pass paced a block at a time (:data:`PACED`, :func:`pass_of`).
+            Default: ``False``.
 
     Returns:
         int: Bytes; 0 when ``batch_size`` or ``seq_len`` is 0.
@@ -113,8 +135,28 @@ def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
     logits = tokens * shape.vocab * itemsize
     ck = int(checkpoint)
     blocks = CHECKPOINTED * tokens * shape.dims * itemsize if checkpoint else layer
-    return int(shape.layers * blocks + LOGITS[ck] * logits + BACKWARD[ck] * layer
-               + pass_scores * scores)
+    if checkpoint and paced:
+        backward = PACED[0] * layer + PACED[1] * scores
+    else:
+        backward = BACKWARD[ck] * layer + pass_scores * scores
+    return int(shape.layers * blocks + LOGITS[ck] * logits + backward)
+
+
+def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False,
+            compiled: bool = False, device: str = "gpu", checkpoint: bool = False) -> dict:
+    """:func:`activation_bytes`'s ``checkpoint`` and ``paced`` for a ``mode`` step.
+
+    ``fully_shard``'s blocks resharded after their forward pass (``wrap``
+    ``"blocks"``) recompute their activations as ``mx.checkpoint``'s do,
+    unless the step is compiled whole, where resharding saved nothing
+    (:func:`mlx_fsdp.plan_memory.estimate.estimate_ranks`); on the CPU their
+    backward pass is paced a block at a time (:mod:`mlx_fsdp.pace`).
+    ``checkpoint``: ``mx.checkpoint`` around every block besides.
+    """
+    resharded = (mode == "fully_shard" and wrap == "blocks" and reshard_after_forward
+                 and not compiled)
+    return {"checkpoint": checkpoint or resharded,
+            "paced": resharded and phases_apart(device, compiled)}
 
 
 def llama_shape(model) -> Shape:

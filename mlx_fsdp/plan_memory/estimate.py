@@ -235,8 +235,9 @@ def estimate_ranks(
         every_rank (bool): ``fully_shard``: every rank's, also where rank 0
             is the fullest. Default: ``False``.
         activations (int): Bytes of one rank's forward and backward pass
-            (:func:`mlx_fsdp.plan_memory.activations.activation_bytes`).
-            Default: ``0``.
+            (:func:`mlx_fsdp.plan_memory.activations.activation_bytes`, as
+            :func:`~mlx_fsdp.plan_memory.activations.pass_of` says this mode
+            holds them). Default: ``0``.
         compiled (bool): The step is compiled whole with ``mx.compile``
             (mlx-lm's trainer). Measured so on the CPU, ``fully_shard``'s
             update temporaries meet the activations, and resharding saved

@@ -24,7 +24,7 @@ def render(model: shapes.Model, args, results, needed, resharded) -> str:
     for name in args.optimizer:
         out += ["", f"{name}: {describe(name)}", table(results[name], args.memory)]
         out += verdicts(results[name], args.memory) + compare(
-            results[name], resharded.get(name), BLOCKS_ALIVE[args.device])
+            results[name], resharded.get(name), BLOCKS_ALIVE[args.device], args.memory)
         if needed:
             out.append(_needed_line(results[name], needed, name, args.memory))
     return "\n".join(out)
@@ -49,15 +49,18 @@ def header_tail(args) -> list:
                   and phases_apart(args.device, getattr(args, "compiled", False)) else "")
                + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
-                  + (" with mx.checkpoint per block" if args.grad_checkpoint else "")
+                  + (" with mx.checkpoint per block" if args.grad_checkpoint else
+                     "; fully_shard's resharded blocks recompute theirs, counted as under "
+                     "mx.checkpoint" if "fully_shard" in args.mode and args.wrap == "blocks"
+                     and not getattr(args, "compiled", False) else "")
                   if getattr(args, "batch_size", 0) else "; no batch given (--batch-size)"))
     return out
 
 
-def compare(rows, resharded=None, blocks_alive: int = 1) -> list:
+def compare(rows, resharded=None, blocks_alive: int = 1, memory=None) -> list:
     """What fully sharding saves at the largest N: parameters and gradients, against
     fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers,
-    ``blocks_alive`` blocks at once."""
+    ``blocks_alive`` blocks at once, and whether it fits ``memory``."""
     by = {(r.mode, r.world_size): r.fullest for r in rows}
     n = max(r.world_size for r in rows)
     if ("fully_shard", n) not in by or n == 1:
@@ -75,7 +78,9 @@ def compare(rows, resharded=None, blocks_alive: int = 1) -> list:
         at_once = (f"{blocks_alive} blocks gathered at once, as MLX runs ahead" if blocks_alive > 1
                    else "1 block gathered at once, evaluation paced on the CPU")
         out.append(f"  with --reshard-after-forward (the root and {at_once}): "
-                   f"gathered {gib(r.gathered)} GiB, peak {gib(r.peak)} GiB")
+                   f"gathered {gib(r.gathered)} GiB, peak {gib(r.peak)} GiB"
+                   + ("" if memory is None else
+                      f" ({'fits' if r.peak <= memory else 'does not fit'} {gib(memory)} GiB)"))
     return out
 
 
