@@ -160,9 +160,15 @@ def wrapper(optimizer, mode: str, args, group):
     return wrap(optimizer, **kwargs)
 
 
-def _step(model, opt, value_and_grad):
-    """One step from ``value_and_grad(model)``'s gradients; returns a token to evaluate."""
+def _step(model, opt, value_and_grad, held=None):
+    """One step from ``value_and_grad(model)``'s gradients; returns a token to evaluate.
+
+    ``held``: a list that keeps the old parameters referenced across the step
+    (as a loop that holds them would), or ``None``.
+    """
     _, grads = value_and_grad(model)
+    if held is not None:
+        held[:] = [model.parameters()]
     opt.update(model, grads)
     return mx.zeros(())
 
@@ -213,7 +219,8 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     peak = 0
     # Fully sharded gradients are shaped like what the rank holds (fully_shard's contract).
     grad_bytes = tree_bytes(model.trainable_parameters() if fully else fixed)
-    step = partial(_step, model, opt, value_and_grad if fully else (lambda m: (None, fixed)))
+    step = partial(_step, model, opt, value_and_grad if fully else (lambda m: (None, fixed)),
+                   [] if args.hold_old_parameters else None)
     if args.compile:
         state = [model.state, opt.state]
         step = partial(mx.compile, inputs=state, outputs=state)(step)
@@ -268,6 +275,9 @@ def parse_args(argv=None):
     p.add_argument("--unpaced", action="store_true",
                    help="turn the CPU's pacing off (mlx_fsdp.pace.QUEUE_DEPTH = 0): the step "
                    "runs as on a GPU, which MLX does not pace, and the planner counts it so")
+    p.add_argument("--hold-old-parameters", action="store_true",
+                   help="keep a reference to the old parameters across each step, as a loop "
+                   "that holds them would (the planner counts them so either way)")
     p.add_argument("--memory-limit", type=parse_size,
                    help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
