@@ -151,7 +151,18 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
     unless the step is compiled whole, where resharding saved nothing
     (:func:`mlx_fsdp.plan_memory.estimate.estimate_ranks`); on the CPU their
     backward pass is paced a block at a time (:mod:`mlx_fsdp.pace`).
-    ``checkpoint``: ``mx.checkpoint`` around every block besides.
+
+    Args:
+        mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
+        wrap (str): How ``fully_shard`` wraps the model. Default: ``"blocks"``.
+        reshard_after_forward (bool): The blocks' argument. Default: ``False``.
+        compiled (bool): The step is compiled whole. Default: ``False``.
+        device (str): ``"cpu"`` or ``"gpu"``. Default: ``"gpu"``.
+        checkpoint (bool): ``mx.checkpoint`` around every block besides.
+            Default: ``False``.
+
+    Returns:
+        dict: ``{"checkpoint": bool, "paced": bool}``.
     """
     resharded = (mode == "fully_shard" and wrap == "blocks" and reshard_after_forward
                  and not compiled)
