@@ -169,8 +169,8 @@ def fine_tuned(args):
 def activations_of(model: shapes.Model, args, mode: str, reshard: Optional[bool] = None):
     """``batch -> activation bytes`` of ``model`` (a Llama-style model) at ``--seq-len``
     in ``mode``: checkpointed per block with ``--grad-checkpoint``, or where
-    fully_shard's blocks recompute theirs (resharded; ``reshard``: Default:
-    ``--reshard-after-forward``)."""
+    fully_shard's blocks recompute theirs (:func:`pass_of`). ``reshard``: the
+    blocks' reshard_after_forward (``None``: ``--reshard-after-forward``)."""
     shape = llama_shape(model)
     dtype = args.dtype or sorted(a.dtype for a in model.arrays)[0]
     size = getattr(mx, dtype).size
