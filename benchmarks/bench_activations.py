@@ -37,7 +37,6 @@ MiB = 1024**2
 def build(shape: Shape, dtype: str, checkpoint: bool):
     """An mlx-lm Llama of ``shape``, every block under ``mx.checkpoint`` if asked."""
     from mlx_lm.models import llama
-    from mlx_lm.tuner.trainer import grad_checkpoint
 
     args = llama.ModelArgs(model_type="llama", hidden_size=shape.dims,
                            num_hidden_layers=shape.layers, intermediate_size=shape.ffn,
@@ -47,6 +46,10 @@ def build(shape: Shape, dtype: str, checkpoint: bool):
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     if checkpoint:
+        # Imported only here: mlx_lm.tuner pulls in transformers, which the
+        # model alone does not need.
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
         grad_checkpoint(model.layers[0])
     return model
 

@@ -173,6 +173,14 @@ def _step(model, opt, value_and_grad, held=None):
     return mx.zeros(())
 
 
+def backend_of(group) -> str:
+    """The planner's name of the group's backend: a native reduce-scatter on a
+    GPU is counted as NCCL's (its collectives do not cut the pass), else ring's."""
+    if collectives.reduce_scatter_method(group) != "native":
+        return "ring"
+    return "nccl" if default_device() == "gpu" else "jaccl"
+
+
 def measure(model_name: str, optimizer: str, mode: str, args, group,
             reshard: bool = False) -> dict:
     """One phase: the real step's bytes and peak, and the planner's prediction.
@@ -199,7 +207,8 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
                        activation_bytes(llama_shape(args), args.batch_size, args.seq_len,
                                         getattr(mx, args.dtype).size, device=default_device(),
                                         **pass_of(mode, args.wrap, reshard, args.compile,
-                                                  default_device())))
+                                                  default_device(), backend=backend_of(group),
+                                                  world_size=group.size())))
         model = fully_shard(model, model_name, inner, reshard, args, group)
         value_and_grad = nn.value_and_grad(model, loss)
     else:

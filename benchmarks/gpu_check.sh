@@ -7,7 +7,7 @@
 # lease that runs out still returns everything measured so far. Two ranks
 # share the GPU over ring (NCCL needs one GPU per rank). Every output goes
 # to OUT_DIR as it is written: env.txt, yard.txt, step.txt (+ .md tables),
-# planner.txt, suite.txt: seven files (a lent machine returns at most eight).
+# planner.txt, acts.txt, suite.txt: eight files (a lent machine returns at most eight).
 #
 # usage: bash benchmarks/gpu_check.sh OUT_DIR SECONDS YARDSTICK [TEST_FILE ...]
 #   YARDSTICK: path of shared/gpu/yardstick.py (copy it into the checkout
@@ -18,6 +18,13 @@
 #   PLANNER=1 also runs, alone after bench_step, the fully sharded planner
 #   grid that measured above the plan on an H100 beside seven other
 #   processes (MPI N=3, bfloat16; docs/memory-planner.md, "Left undone").
+#   ACTS=1 also runs, alone after that, the planner's activations against
+#   mlx-lm's Llama (acts.txt): bench_activations.py in one process on the
+#   fitted shape and a wider, deeper one, then fully sharded Llama steps
+#   (ring N=2) planned with them. It needs mlx_lm.models importable: the
+#   lent machine has no transformers, which `import mlx_lm` pulls in, so
+#   give LM_PATH, a folder holding mlx_lm/ with mlx-lm's models/ and
+#   _version.py only and an __init__.py importing __version__.
 #   JOBS=K runs up to K test files at once (16 cores, one GPU: the tests
 #   are small, and the lease is short); each file's output lands whole.
 set -u
@@ -71,6 +78,30 @@ if [ "${PLANNER:-0}" = 1 ]; then
         --oversubscribe -x MLX_MPI_LIBNAME -x PYTHONPATH -n 3 python3 "$here/bench_plan_memory.py" \
         --hidden 256 --dtype bfloat16 --modes fully_shard --optimizers adamw adafactor \
         --reshard-after-forward off on --repeat 10 2>&1 | tee -a "$out/planner.txt"
+fi
+
+if [ "${ACTS:-0}" = 1 ]; then
+    if [ "${SMALL:-0}" = 1 ]; then
+        shapes=("--layers 2 --dims 64 --ffn 176 --vocab 256 --sizes 1x32 2x16")
+        steps=("64 2 2 32 float32")
+    else
+        shapes=("--layers 4 --dims 256 --ffn 704 --vocab 256 --sizes 1x128 4x128 8x128 16x64 2x512 1x1024"
+                "--layers 8 --dims 1024 --ffn 2816 --vocab 1024 --heads 8 --sizes 1x512 4x512 1x2048")
+        steps=("256 4 8 128 float32" "256 4 2 512 float32" "128 8 8 128 bfloat16" "384 2 4 256 float32"
+               "1024 8 2 512 float32")
+    fi
+    (export PYTHONPATH=${LM_PATH:+$LM_PATH:}${PYTHONPATH:-}
+     for shape in "${shapes[@]}"; do
+         echo "== bench_activations.py $shape --checkpoint off remat"
+         timeout 60 python3 "$here/bench_activations.py" $shape --checkpoint off remat 2>&1 | tail -n 20
+     done
+     for spec in "${steps[@]}"; do
+         read -r d l b s t <<< "$spec"
+         echo "== fully sharded Llama, dims $d, $l layers, batch ${b}x$s, $t, ring N=2"
+         ranks 70 "$here/bench_plan_memory.py" --models llama --dims "$d" --gpt-layers "$l" \
+             --modes fully_shard --reshard-after-forward off on --optimizers sgd adamw muon \
+             --batch-size "$b" --seq-len "$s" --dtype "$t" --repeat 5 2>&1 | grep '^[|Np]'
+     done) > "$out/acts.txt"
 fi
 
 # The harness turns TF32 off for every rank; here too, for the test process.

@@ -488,11 +488,14 @@ def test_bench_summed_compares_both_settings_on_three_ranks():
 
 def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
     """benchmarks/gpu_check.sh, shrunk (SMALL=1) and on this machine's device:
-    every part it runs on a lent GPU still runs, and a test file it is given
-    reports its own summary."""
+    every part it runs on a lent GPU still runs (with mlx-lm, ACTS=1's too), and
+    a test file it is given reports its own summary."""
+    import importlib.util
     import subprocess
 
-    env = dict(os.environ, SMALL="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    acts = importlib.util.find_spec("mlx_lm") is not None  # the `lm` extra
+    env = dict(os.environ, SMALL="1", ACTS=str(int(acts)),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     cmd = ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(tmp_path), "150", "-",
            "test_fused.py"]
     try:
@@ -507,3 +510,5 @@ def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
     assert (tmp_path / "step_gpt.md").exists() and (tmp_path / "step_mlp.md").exists()
     assert re.search(r"^\d+ passed in ", (tmp_path / "suite.txt").read_text(), re.M)
     assert not (tmp_path / "yard.txt").exists()  # "-" skips the yardstick
+    if acts:  # the activations alone, then a fully sharded Llama step, each against the plan
+        assert (tmp_path / "acts.txt").read_text().count("predicted / measured: lowest") == 2

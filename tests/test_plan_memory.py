@@ -188,9 +188,10 @@ def test_lora_answers_for_an_8b_model(capsys):
 def test_resharded_blocks_count_their_activations_recomputed(tmp_path, capsys):
     """fully_shard's resharded blocks run again in the backward pass, as
     mx.checkpoint's do, so their row counts the activations so (paced on the
-    CPU, a block at a time); DDP, FSDP and fully_shard without resharding
-    keep every block's. Counted kept, resharded Llama steps planned at
-    1.36-1.51x of their measured peak (2026-11-28)."""
+    CPU, a block at a time; on a GPU, by the collectives the CPU runs); DDP,
+    FSDP and fully_shard without resharding keep every block's. Counted kept,
+    resharded Llama steps planned at 1.36-1.51x of their measured peak
+    (2026-11-28)."""
     flags = ["--layers", "4", "--dims", "256", "--ffn", "704", "--vocab", "256", "--heads", "4",
              "--kv-heads", "2", "--dtype", "float32", "--batch-size", "8", "--seq-len", "128",
              "--optimizer", "sgd", "--ranks", "2"]
@@ -208,13 +209,30 @@ def test_resharded_blocks_count_their_activations_recomputed(tmp_path, capsys):
             rows = {r["mode"]: r["fullest_rank"]["activations"]
                     for r in json.loads(out.read_text())["rows"]}
             assert rows["fully_shard"] == acts[how], (device, how)
-            assert rows["ddp"] == rows["fsdp"] == acts["off"], (device, how)
+            # DDP's and FSDP's pass has no collective: on a GPU nothing cuts it.
+            kept = activation_bytes(shape, 8, 128, 4, device=device,
+                                    **pass_of("ddp", device=device))
+            assert rows["ddp"] == rows["fsdp"] == kept, (device, how)
+            assert (kept > acts["off"]) if device == "gpu" else (kept == acts["off"])
     assert pass_of("fully_shard", "blocks", True, device="cpu") == \
         {"checkpoint": True, "paced": True}
-    assert pass_of("fully_shard", "blocks", True, device="gpu")["paced"] is False
-    for off in (dict(wrap="model"), dict(compiled=True), dict(reshard_after_forward=False)):
-        assert pass_of("fully_shard", **dict(dict(wrap="blocks", reshard_after_forward=True),
-                                              **off)) == {"checkpoint": False, "paced": False}
+    # On a GPU the blocks' collectives pace the pass where the CPU runs them.
+    assert pass_of("fully_shard", "blocks", True, device="gpu") == \
+        {"checkpoint": True, "paced": True}
+    assert pass_of("fully_shard", "blocks", False, device="gpu", backend="jaccl")["paced"]
+    assert pass_of("fully_shard", "blocks", True, device="gpu", backend="nccl") == \
+        {"checkpoint": True, "paced": False}
+    # Not recomputed: wrapped once, compiled whole, not resharded, or one rank
+    # (fully_shard leaves the model as it is).
+    for off in (dict(wrap="model"), dict(compiled=True), dict(reshard_after_forward=False),
+                dict(world_size=1)):
+        for device in ("cpu", "gpu"):
+            how = pass_of("fully_shard", **dict(dict(wrap="blocks", reshard_after_forward=True),
+                                                 device=device, **off))
+            assert how["checkpoint"] is False, (off, device)
+            assert how["paced"] is (device == "gpu" and "reshard_after_forward" in off), off
+    with pytest.raises(ValueError, match="backend='gloo' must be one of ring, mpi"):
+        pass_of("fully_shard", backend="gloo")
     main(flags)
     assert "resharded blocks recompute theirs" in capsys.readouterr().out
 
@@ -585,7 +603,9 @@ def test_fit_counts_the_activations_of_each_layer_count(capsys, tmp_path):
     for f in json.loads(out.read_text())["fit"]:
         def peak(layers):
             model = shapes.llama(layers=layers, **fields)
-            acts = activation_bytes(llama_shape(model), 1, 2048, 2, True, "gpu")
+            how = pass_of(f["mode"], "blocks", True, device="gpu", checkpoint=True,
+                          backend="jaccl", world_size=8)
+            acts = activation_bytes(llama_shape(model), 1, 2048, 2, device="gpu", **how)
             return max(r.peak for r in estimate(model, "adamw", f["mode"], 8, activations=acts,
                                                 reshard_after_forward=True, **EIGHT_B)), acts
         got, acts = peak(f["layers"])

@@ -18,10 +18,11 @@ From Python::
     ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True)
 
 With a batch, the activations as that mode's pass holds them (resharded
-blocks recompute theirs)::
+blocks recompute theirs; on a GPU, collectives the CPU runs cut the pass)::
 
     from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape, pass_of
-    how = pass_of("fully_shard", reshard_after_forward=True, device="gpu")
+    how = pass_of("fully_shard", reshard_after_forward=True, device="gpu", backend="jaccl",
+                  world_size=8)
     acts = activation_bytes(llama_shape(model), 1, 2048, 2, device="gpu", **how)
     ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True,
                      device="gpu", activations=acts)

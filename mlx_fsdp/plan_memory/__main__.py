@@ -166,16 +166,20 @@ def fine_tuned(args):
     return lambda model: with_lora(model, args.lora_rank, args.num_layers)
 
 
-def activations_of(model: shapes.Model, args, mode: str, reshard: Optional[bool] = None):
+def activations_of(model: shapes.Model, args, mode: str, reshard: Optional[bool] = None,
+                   world_size: int = 2):
     """``batch -> activation bytes`` of ``model`` (a Llama-style model) at ``--seq-len``
-    in ``mode``: checkpointed per block with ``--grad-checkpoint``, or where
-    fully_shard's blocks recompute theirs (:func:`pass_of`). ``reshard``: the
-    blocks' reshard_after_forward (``None``: ``--reshard-after-forward``)."""
+    in ``mode`` on ``world_size`` ranks: checkpointed per block with
+    ``--grad-checkpoint``, or where fully_shard's blocks recompute theirs, and
+    paced as ``--device`` and ``--backend`` pace them (:func:`pass_of`).
+    ``reshard``: the blocks' reshard_after_forward (``None``:
+    ``--reshard-after-forward``)."""
     shape = llama_shape(model)
     dtype = args.dtype or sorted(a.dtype for a in model.arrays)[0]
     size = getattr(mx, dtype).size
     reshard = args.reshard_after_forward if reshard is None else reshard
-    how = pass_of(mode, args.wrap, reshard, args.compiled, args.device, args.grad_checkpoint)
+    how = pass_of(mode, args.wrap, reshard, args.compiled, args.device, args.grad_checkpoint,
+                  args.backend, world_size)
     return lambda batch: activation_bytes(shape, batch, args.seq_len, size,
                                           device=args.device, **how) + \
         adapter_activations(model, batch, args.seq_len, size)
@@ -197,14 +201,16 @@ def plan(model: shapes.Model, args):
     is off and every block is wrapped)."""
     options = options_of(args)
 
-    def at(mode: str, reshard: Optional[bool] = None) -> dict:
+    def at(mode: str, reshard: Optional[bool] = None, n: Optional[int] = None) -> dict:
+        """The options with ``mode``'s activations at N = ``n`` (``None``: any N)."""
         if not args.batch_size:
             return options
-        acts = activations_of(model, args, mode, reshard)(args.batch_size)
-        return dict(options, activations=acts)
+        def acts(world_size: int) -> int:
+            return activations_of(model, args, mode, reshard, world_size)(args.batch_size)
+        return dict(options, activations=acts if n is None else acts(n))
 
     results = {
-        name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **at(mode)))
+        name: [Row(name, mode, n, estimate_ranks(model, name, mode, n, **at(mode, n=n)))
                for mode in args.mode for n in sorted(set(args.ranks))]
         for name in args.optimizer
     }
@@ -215,17 +221,18 @@ def plan(model: shapes.Model, args):
             n, why = fewest_ranks(model, name, args.memory, args.max_ranks, mode, **at(mode))
             needed.setdefault(mode, {})[name] = {"world_size": n, "why": why}
             if n is not None:
-                rank = Row(name, mode, n, estimate_ranks(model, name, mode, n, **at(mode))).fullest
+                rank = Row(name, mode, n,
+                           estimate_ranks(model, name, mode, n, **at(mode, n=n))).fullest
                 needed[mode][name]["dominates"] = dominant(rank)
             if args.batch_size:
                 largest_at = max(args.ranks)
                 needed[mode][name]["largest_batch"] = (largest_at, largest_batch(
                     model, name, mode, largest_at, args.memory,
-                    activations_of(model, args, mode), **options))
+                    activations_of(model, args, mode, world_size=largest_at), **options))
     resharded = {}
     if "fully_shard" in args.mode and args.wrap == "blocks" and not args.reshard_after_forward:
         n = max(args.ranks)
-        options_r = dict(at("fully_shard", True), reshard_after_forward=True)
+        options_r = dict(at("fully_shard", True, n), reshard_after_forward=True)
         resharded = {name: Row(name, "fully_shard", n,
                                estimate_ranks(model, name, "fully_shard", n, **options_r))
                      for name in args.optimizer}
@@ -237,7 +244,8 @@ def main(argv=None) -> int:
     try:
         if args.fit:
             fields = shape_fields(p, args)
-            acts = (lambda m, mode: activations_of(m, args, mode)(args.batch_size)) \
+            acts = (lambda m, mode, n: activations_of(m, args, mode, world_size=n)(
+                args.batch_size)) \
                 if args.batch_size else None
             fits = fit.search(fields, args.optimizer, args.mode, args.ranks, args.memory,
                               activations=acts, transform=fine_tuned(args),

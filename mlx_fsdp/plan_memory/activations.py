@@ -10,11 +10,11 @@ products and the MLP's output, 8, 2 and 3 arrays of ``dims``, ``kv_dims``
 and ``ffn``; :data:`PER_LAYER` counts them, and what the CPU's backward
 pass allocates ahead of its worker on top.
 
-Attention's ``heads x seq x seq`` scores: on the CPU, MLX computes
-``mx.fast.scaled_dot_product_attention`` with its unfused operations, so
+Attention's ``heads x seq x seq`` scores: under ``mx.grad``, MLX computes
+``mx.fast.scaled_dot_product_attention`` with its unfused operations on every
+device (its ``use_fallback`` while tracing gradients, CUDA's included), so
 every layer keeps its scores and probabilities (float32) for its backward
-pass; on a GPU the fused kernel keeps none, and the backward pass
-recomputes them one layer at a time (:data:`SCORES`).
+pass (:data:`SCORES`).
 
 The head's logits (``batch x seq x vocab``) and the loss's gradient of them
 (:data:`LOGITS` copies), and, in the backward pass of the fullest layer,
@@ -29,6 +29,12 @@ the backward pass as it gathers its parameters again
 (:mod:`mlx_fsdp.fully_sharded.remat`), so they are counted checkpointed
 (:func:`pass_of`); on the CPU, where that backward pass is paced a block
 at a time, with :data:`PACED` in place of :data:`BACKWARD`.
+On a GPU the count is the CPU's and what runs ahead: MLX's GPU backends
+keep an operation's inputs until its batch of kernels has run, so an
+evaluation that nothing cuts holds layers more (:data:`GPU_QUEUED`);
+collectives that the CPU runs between ``fully_shard``'s blocks (ring, MPI,
+JACCL) cut it a block at a time (:data:`GPU_PACED`).
+
 ``benchmarks/bench_activations.py`` measures a real mlx-lm model against
 these counts, ``benchmarks/bench_plan_memory.py --models llama`` whole
 fully sharded steps.
@@ -37,6 +43,10 @@ fully sharded steps.
 from typing import NamedTuple
 
 from .phases import phases_apart
+
+DEVICES = ("cpu", "gpu")
+#: The backends whose collectives the CPU runs, between a GPU's kernels.
+CPU_COLLECTIVES = ("ring", "mpi", "jaccl")
 
 #: Arrays one layer keeps per token, in units of (dims, kv_dims, ffn): what
 #: it keeps (8, 2, 3 by the list above) and what the CPU's backward pass
@@ -49,8 +59,10 @@ from .phases import phases_apart
 #: above the count: those are the sizes that train.
 PER_LAYER = (11, 4, 4)
 #: Arrays of ``batch x heads x seq x seq`` scores per layer, in the
-#: activations' dtype: (kept by every layer, alive in one backward pass).
-SCORES = {"cpu": (1.5, 0), "gpu": (0, 3)}
+#: activations' dtype, kept by every layer. On an H100 (2026-11-28, the
+#: points of :data:`GPU_QUEUED`) a longer sequence at the same tokens added
+#: about 1.4 per layer.
+SCORES = 1.5
 #: Copies of the ``batch x seq x vocab`` logits alive at once: the logits, the
 #: loss's softmax and their gradients (without, with ``mx.checkpoint``).
 LOGITS = (2, 3)
@@ -68,6 +80,24 @@ BACKWARD = (1, 2.5)
 #: (the most at 1 x 1024, where the scores are most of a layer), against
 #: 2.5 unpaced: paced, one block's recomputation is queued at a time.
 PACED = (1.5, 1.5)
+#: On a GPU, an evaluation that nothing cuts: layers' activations (kept, as
+#: :data:`PER_LAYER` and :data:`SCORES` count one) on top of the CPU's count,
+#: with or without ``mx.checkpoint``: the inputs of the operations queued
+#: ahead, which MLX's GPU backends keep until their batch of kernels has run.
+#: Fitted as an upper bound to mlx-lm's llama on one NVIDIA H100 (2026-11-28,
+#: ``bench_activations.py --layers 4 --dims 256 --ffn 704 --vocab 256
+#: --checkpoint off remat``, one process, float32, batches 1 x 128 to 1 x 1024),
+#: which needed 1.5 to 4.3 layers more. One shape of four layers: how far
+#: ahead a deeper or wider model queues is not measured; MLX waits for queued
+#: work when its memory limit is reached. Not measured on Apple GPUs.
+GPU_QUEUED = 4.5
+#: On a GPU, the pass of ``fully_shard``'s blocks over collectives the CPU
+#: runs: its activations over the CPU's unpaced count. Fitted to 16 fully
+#: sharded steps of mlx-lm's llama on the same H100 (``bench_plan_memory.py
+#: --models llama``, ring N=2, 2 to 8 layers of 128 to 384, batches 8 x 128 to
+#: 2 x 512, float32 and bfloat16, SGD and AdamW, with and without
+#: resharding), which needed up to 1.13 of it.
+GPU_PACED = 1.15
 #: Bytes of half-precision activations per nominal byte (float32 steps inside).
 HALF = 1.2
 #: What a checkpointed block keeps, in units of ``dims`` per token.
@@ -107,9 +137,11 @@ def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
         checkpoint (bool): ``mx.checkpoint`` around every block. Default: ``False``.
         device (str): ``"cpu"`` or ``"gpu"`` (see the module docstring).
             Default: ``"gpu"``.
-        paced (bool): With ``checkpoint``: the blocks recompute in a backward
-            pass paced a block at a time (:data:`PACED`, :func:`pass_of`).
-            Default: ``False``.
+        paced (bool): The pass is held back a block at a time: on the CPU,
+            checkpointed blocks recompute in a backward pass paced so
+            (:data:`PACED`); on a GPU, collectives the CPU runs cut the pass at
+            every block (:data:`GPU_PACED`; else :data:`GPU_QUEUED`).
+            :func:`pass_of` says which. Default: ``False``.
 
     Returns:
         int: Bytes; 0 when ``batch_size`` or ``seq_len`` is 0.
@@ -118,39 +150,46 @@ def activation_bytes(shape: Shape, batch_size: int, seq_len: int, itemsize: int,
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{key}={value!r} must be an integer >= 0; pass the batch "
                              "size and sequence length you train with (0: no activations).")
-    if device not in SCORES:
-        raise ValueError(f"device={device!r} must be one of {', '.join(SCORES)}.")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} must be one of {', '.join(DEVICES)}.")
     tokens = batch_size * seq_len
     if tokens == 0:
         return 0
+    gpu = device == "gpu"
     # Half-precision activations: softmax, norms and the loss take float32
     # steps, measured at 0.57-0.60 of float32's bytes, not 0.5.
     itemsize = itemsize * HALF if itemsize < 4 else itemsize
     kv_dims = shape.kv_heads * (shape.dims // shape.heads)
     c_d, c_kv, c_f = PER_LAYER
-    kept_scores, pass_scores = SCORES[device]
     scores = batch_size * shape.heads * seq_len * seq_len * itemsize
     layer = (tokens * (c_d * shape.dims + c_kv * kv_dims + c_f * shape.ffn) * itemsize
-             + kept_scores * scores)
+             + SCORES * scores)
     logits = tokens * shape.vocab * itemsize
     ck = int(checkpoint)
     blocks = CHECKPOINTED * tokens * shape.dims * itemsize if checkpoint else layer
-    if checkpoint and paced:
+    if checkpoint and paced and not gpu:
         backward = PACED[0] * layer + PACED[1] * scores
     else:
-        backward = BACKWARD[ck] * layer + pass_scores * scores
-    return int(shape.layers * blocks + LOGITS[ck] * logits + backward)
+        backward = BACKWARD[ck] * layer
+    count = shape.layers * blocks + LOGITS[ck] * logits + backward
+    if gpu:
+        count = count * GPU_PACED if paced else count + GPU_QUEUED * layer
+    return int(count)
 
 
 def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False,
-            compiled: bool = False, device: str = "gpu", checkpoint: bool = False) -> dict:
+            compiled: bool = False, device: str = "gpu", checkpoint: bool = False,
+            backend: str = "ring", world_size: int = 2) -> dict:
     """:func:`activation_bytes`'s ``checkpoint`` and ``paced`` for a ``mode`` step.
 
     ``fully_shard``'s blocks resharded after their forward pass (``wrap``
     ``"blocks"``) recompute their activations as ``mx.checkpoint``'s do,
     unless the step is compiled whole, where resharding saved nothing
-    (:func:`mlx_fsdp.plan_memory.estimate.estimate_ranks`); on the CPU their
-    backward pass is paced a block at a time (:mod:`mlx_fsdp.pace`).
+    (:func:`mlx_fsdp.plan_memory.estimate.estimate_ranks`), or there is one
+    rank, where ``fully_shard`` leaves the model as it is. On the CPU their
+    backward pass is paced a block at a time (:mod:`mlx_fsdp.pace`); on a
+    GPU, the blocks' collectives pace the pass where the CPU runs them
+    (every backend but NCCL), resharded or not.
 
     Args:
         mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
@@ -160,14 +199,23 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
         device (str): ``"cpu"`` or ``"gpu"``. Default: ``"gpu"``.
         checkpoint (bool): ``mx.checkpoint`` around every block besides.
             Default: ``False``.
+        backend (str): The ranks' ``mx.distributed`` backend: ``"ring"``,
+            ``"mpi"``, ``"jaccl"`` or ``"nccl"``. Default: ``"ring"``.
+        world_size (int): Ranks. Default: ``2`` (any N above 1 counts alike).
 
     Returns:
         dict: ``{"checkpoint": bool, "paced": bool}``.
     """
-    resharded = (mode == "fully_shard" and wrap == "blocks" and reshard_after_forward
-                 and not compiled)
-    return {"checkpoint": checkpoint or resharded,
-            "paced": resharded and phases_apart(device, compiled)}
+    if backend not in CPU_COLLECTIVES + ("nccl",):
+        raise ValueError(f"backend={backend!r} must be one of "
+                         f"{', '.join(CPU_COLLECTIVES + ('nccl',))}.")
+    blocks = mode == "fully_shard" and wrap == "blocks" and world_size > 1 and not compiled
+    resharded = blocks and reshard_after_forward
+    if device == "gpu":
+        paced = blocks and backend in CPU_COLLECTIVES
+    else:
+        paced = resharded and phases_apart(device, compiled)
+    return {"checkpoint": checkpoint or resharded, "paced": paced}
 
 
 def llama_shape(model) -> Shape:

@@ -35,7 +35,7 @@ class Fit(NamedTuple):
 
 
 def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: int,
-            activations: Optional[Callable[[shapes.Model, str], int]] = None,
+            activations: Optional[Callable[[shapes.Model, str, int], int]] = None,
             transform: Callable[[shapes.Model], shapes.Model] = lambda m: m,
             **options) -> Fit:
     """The most layers of a Llama-style model whose fullest rank fits ``memory``.
@@ -46,9 +46,9 @@ def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: in
         mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
         world_size (int): Ranks.
         memory (int): Bytes per rank.
-        activations (callable, optional): ``(model, mode) ->`` the model's
-            activation bytes (they grow with its layers; fully_shard's resharded
-            blocks recompute theirs). Default: ``None`` (none counted).
+        activations (callable, optional): ``(model, mode, world_size) ->`` the
+            model's activation bytes (they grow with its layers; fully_shard's
+            resharded blocks recompute theirs). Default: ``None`` (none counted).
         transform (callable, optional): What training makes of each model
             (:func:`mlx_fsdp.plan_memory.lora.with_lora`). Default: the model itself.
         **options: The other keyword arguments of :func:`estimate_ranks`.
@@ -58,7 +58,7 @@ def largest(fields: dict, optimizer: str, mode: str, world_size: int, memory: in
     """
     def attempt(layers: int):
         model = transform(shapes.llama(layers=layers, **fields))
-        acts = activations(model, mode) if activations is not None else 0
+        acts = activations(model, mode, world_size) if activations is not None else 0
         row = Row(optimizer, mode, world_size,
                   estimate_ranks(model, optimizer, mode, world_size, activations=acts, **options))
         return row, model.num_parameters

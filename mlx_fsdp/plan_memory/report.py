@@ -56,12 +56,17 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
     FSDP keeps the whole model and its gradients on every rank, and fully
     sharded training gathers the same parameters and full gradients at any
     N, so when those alone exceed ``memory`` no further world size is tried.
+    ``options``' ``activations`` may be a callable ``world_size -> bytes``:
+    how a pass holds them can depend on N (:func:`~mlx_fsdp.plan_memory.
+    activations.pass_of`).
 
     Returns:
         tuple: The world size (``None`` if none fits) and, if none, why.
     """
+    acts = options.pop("activations", 0)
+    acts_at = acts if callable(acts) else (lambda n: acts)
     if mode == "fsdp":
-        one = estimate_ranks(model, optimizer, "fsdp", 1, **options)[0]
+        one = estimate_ranks(model, optimizer, "fsdp", 1, activations=acts_at(1), **options)[0]
         floor = one.parameters + one.gradients + one.activations
         parts = ["parameters", "gradients"] + ["activations"] * (one.activations > 0)
         if options.get("accumulation") == "local":
@@ -72,7 +77,7 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
                           "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:
-        ranks = estimate_ranks(model, optimizer, mode, n, **options)
+        ranks = estimate_ranks(model, optimizer, mode, n, activations=acts_at(n), **options)
         if max(r.peak for r in ranks) <= memory:
             return n, ""
         floor = max(r.gathered + r.full_gradients for r in ranks)
