@@ -87,9 +87,12 @@ PACED = (1.5, 1.5)
 #: Fitted as an upper bound to mlx-lm's llama on one NVIDIA H100 (2026-11-28,
 #: ``bench_activations.py --layers 4 --dims 256 --ffn 704 --vocab 256
 #: --checkpoint off remat``, one process, float32, batches 1 x 128 to 1 x 1024),
-#: which needed 1.5 to 4.3 layers more. One shape of four layers: how far
-#: ahead a deeper or wider model queues is not measured; MLX waits for queued
-#: work when its memory limit is reached. Not measured on Apple GPUs.
+#: which needed 1.5 to 4.3 layers more. Added, not a factor: up to
+#: ``transient.GPU_IN_FLIGHT_OPS`` (240) operations run ahead on a GPU, where
+#: the CPU's count has 50, so what they hold grows with the tokens and the
+#: width, not the depth (one layer's pass is about 310 operations). Measured
+#: on one shape only; MLX also waits for queued work past its memory limit.
+#: Apple GPUs batch differently and are not measured.
 GPU_QUEUED = 4.5
 #: On a GPU, the pass of ``fully_shard``'s blocks over collectives the CPU
 #: runs: its activations over the CPU's unpaced count. Fitted to 16 fully

@@ -53,6 +53,8 @@ def header_tail(args) -> list:
                      "; fully_shard's resharded blocks recompute theirs, counted as under "
                      "mx.checkpoint" if "fully_shard" in args.mode and args.wrap == "blocks"
                      and not getattr(args, "compiled", False) else "")
+                  + ("; on a GPU with what MLX queues ahead, less where collectives the CPU "
+                     "runs cut fully_shard's pass" if args.device == "gpu" else "")
                   if getattr(args, "batch_size", 0) else "; no batch given (--batch-size)"))
     return out
 
