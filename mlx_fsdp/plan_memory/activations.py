@@ -42,6 +42,7 @@ fully sharded steps.
 
 from typing import NamedTuple
 
+from .buffers import BACKENDS
 from .phases import phases_apart
 
 DEVICES = ("cpu", "gpu")
@@ -209,9 +210,8 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
     Returns:
         dict: ``{"checkpoint": bool, "paced": bool}``.
     """
-    if backend not in CPU_COLLECTIVES + ("nccl",):
-        raise ValueError(f"backend={backend!r} must be one of "
-                         f"{', '.join(CPU_COLLECTIVES + ('nccl',))}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}.")
     blocks = mode == "fully_shard" and wrap == "blocks" and world_size > 1 and not compiled
     resharded = blocks and reshard_after_forward
     if device == "gpu":
