@@ -42,10 +42,9 @@ fully sharded steps.
 
 from typing import NamedTuple
 
-from .buffers import BACKENDS
+from .buffers import BACKENDS, DEVICES
 from .phases import phases_apart
 
-DEVICES = ("cpu", "gpu")
 #: The backends whose collectives the CPU runs, between a GPU's kernels.
 CPU_COLLECTIVES = ("ring", "mpi", "jaccl")
 
