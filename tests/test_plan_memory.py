@@ -1,5 +1,6 @@
 """The memory planner: shapes from files, state from the real optimizers, and measurement."""
 
+import argparse
 import json
 
 import mlx.core as mx
@@ -15,11 +16,11 @@ from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape, pass
 from mlx_fsdp.plan_memory.buffers import (default_communication_size, default_device,
                                           fsdp_buffer_phases)
 from mlx_fsdp.plan_memory.sharding import BucketBytes
-from mlx_fsdp.plan_memory.__main__ import byte_size, main
+from mlx_fsdp.plan_memory.__main__ import activations_of, byte_size, main
 from mlx_fsdp.plan_memory.estimate import shape_only
 from mlx_fsdp.plan_memory.fully import BLOCKS_ALIVE, cut, split
 from mlx_fsdp.plan_memory.phases import pass_spare
-from mlx_fsdp.plan_memory.lora import with_lora
+from mlx_fsdp.plan_memory.lora import adapter_activations, with_lora
 
 ELEMENTWISE = ("adamw", "adam", "sgd", "lion")
 
@@ -183,6 +184,24 @@ def test_lora_answers_for_an_8b_model(capsys):
     with pytest.raises(SystemExit):
         main(flags + ["--fine-tune-type", "lora", "--lora-rank", "0"])
     assert "LoRA rank 0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_layers", [2, -1])
+def test_lora_on_every_block_plans_a_batch(num_layers):
+    """mlx-lm's --num-layers -1 adapts every block, so no block keeps the
+    plain q_proj path (it is q_proj.linear.weight): the shape of the model
+    is still read, and a batch is planned as full fine-tuning's activations
+    plus the adapters' outputs (this refused before 2026-11-28)."""
+    base = shapes.llama(4, 64, 96, 50, 4, 2, dtype="float32")
+    adapted = with_lora(base, 8, num_layers)
+    assert llama_shape(adapted) == llama_shape(base)
+    args = argparse.Namespace(dtype=None, seq_len=32, reshard_after_forward=False,
+                              wrap="blocks", compiled=False, device="cpu",
+                              grad_checkpoint=False, backend="ring")
+    full = activations_of(base, args, "fsdp")(2)
+    lora = activations_of(adapted, args, "fsdp")(2)
+    assert full > 0
+    assert lora == full + adapter_activations(adapted, 2, 32, 4) > full
 
 
 def test_resharded_blocks_count_their_activations_recomputed(tmp_path, capsys):

@@ -222,12 +222,14 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
 
 def llama_shape(model) -> Shape:
     """The :class:`Shape` of a :class:`~mlx_fsdp.plan_memory.shapes.Model` with mlx-lm's
-    Llama paths (``model.layers.N.self_attn.q_proj.weight``, ...).
+    Llama paths (``model.layers.N.self_attn.q_proj.weight``, ...), LoRA-adapted or not.
 
     Raises:
         ValueError: Where the paths are not a Llama-style decoder's.
     """
-    by_path = {a.path: a.shape for a in model.arrays}
+    # A LoRA-adapted Linear keeps its base weight under ``.linear`` (mlx-lm's
+    # LoRALinear): with every block adapted no block has the plain path.
+    by_path = {a.path.replace(".linear.weight", ".weight"): a.shape for a in model.arrays}
     layers = 1 + max((int(p.split(".")[2]) for p in by_path if p.startswith("model.layers.")),
                      default=-1)
     try:
