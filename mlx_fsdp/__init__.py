@@ -18,7 +18,7 @@ from .control import PeerLost, RankMismatch
 from .compat import fsdp_apply_gradients
 from .ddp import ReplicatedOptimizer, ddp_step
 from .fsdp import ShardedOptimizer, fsdp_step
-from .fully_sharded import FullyShardedModule, full_parameters, fully_shard
+from .fully_sharded import FullyShardedModule, full_parameters, fully_shard, gathered_by_module
 from .hybrid import hybrid_groups
 from .placement import register_placement
 from .plan import Plan, build_plan
@@ -30,6 +30,7 @@ __all__ = [
     "fully_shard",
     "FullyShardedModule",
     "full_parameters",
+    "gathered_by_module",
     "ddp_step",
     "fsdp_apply_gradients",
     "hybrid_groups",

@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import types
+from contextlib import nullcontext
 from functools import partial
 
 import mlx.core as mx
@@ -133,21 +134,35 @@ def parse_args(argv=None) -> types.SimpleNamespace:
 def save_model_directory(path: str, model_ref: str, model):
     """Write ``model`` as a model directory ``mlx_lm.load`` opens, with mlx-lm's ``save``.
 
+    A model sharded by :func:`mlx_fsdp.lm.sharding.shard_model` is gathered
+    one module at a time (:func:`~mlx_fsdp.lm.sharding.save_whole_weights`),
+    so every rank must call this then; otherwise rank 0 alone writes.
+
     Args:
         path (str): The directory to write.
         model_ref (str): The ``--model`` it was loaded from (a directory or a
             Hugging Face repository already in the local cache); gives the
             config and the tokenizer.
-        model (mlx.nn.Module): The fine-tuned model.
+        model (mlx.nn.Module): The fine-tuned model, whole or sharded.
     """
     from pathlib import Path
 
     from mlx_lm.utils import hf_repo_to_path, load_config, load_tokenizer, save
 
+    from .fully_sharded.model import sharded_modules
+    from .lm.hooks import weights_written_apart
+    from .lm.sharding import save_whole_weights
+
+    sharded = bool(sharded_modules(model))
+    if sharded:
+        save_whole_weights(path, model)
+    if mx.distributed.init().rank() != 0:
+        return
     src = Path(model_ref)
     if not src.exists():
         src = hf_repo_to_path(model_ref)
-    save(path, model_ref, model, load_tokenizer(src), load_config(src), donate_model=False)
+    with weights_written_apart() if sharded else nullcontext():
+        save(path, model_ref, model, load_tokenizer(src), load_config(src), donate_model=False)
 
 
 def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
@@ -156,7 +171,9 @@ def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
     from .lm import train
 
     adapter_path = options.adapter_path
-    train(
+    # mlx-lm's --test evaluates the model it built, whole; else it stays
+    # sharded to the end, and a full fine-tune is saved from its shards.
+    trained = train(
         model, optimizer, train_dataset, val_dataset, args,
         training_callback=training_callback, fsdp=options.fsdp,
         fully_shard=bool(options.fully_shard),
@@ -166,26 +183,29 @@ def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
         resume=bool(options.resume), log_file=os.path.join(adapter_path, "losses.jsonl"),
         communication_size=options.communication_size, max_norm=options.max_norm,
         master_dtype=getattr(mx, options.master_dtype) if options.master_dtype else None,
-        **rest,
+        unshard=bool(options.test), **rest,
     )
-    if options.fine_tune_type == "full" and mx.distributed.init().rank() == 0:
+    if options.fine_tune_type == "full":
         path = os.path.join(adapter_path, "model")
-        save_model_directory(path, options.model, model)
-        print(f"Saved the fine-tuned model to {path} (mlx_lm.load reads it)", flush=True)
+        save_model_directory(path, options.model, trained)
+        if mx.distributed.init().rank() == 0:
+            print(f"Saved the fine-tuned model to {path} (mlx_lm.load reads it)", flush=True)
 
 
 def main(argv=None):
     """Run ``mlx_lm.lora`` with the sharded optimizer; see the module docstring."""
     from mlx_lm.lora import run
 
-    from .lm.hooks import lora_train_replaced
+    from .lm.hooks import lora_loads_lazily, lora_train_replaced
     from .lm.sharding import check_options
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # as mlx_lm.lora sets it
     args = parse_args(argv)
     # Before the model loads: a refused combination fails at once.
     check_options(args.fsdp, bool(args.fully_shard), bool(args.reshard_after_forward))
-    with lora_train_replaced(partial(_train, args)):
+    lazily = args.fully_shard and mx.distributed.init().size() > 1
+    with lora_train_replaced(partial(_train, args)), \
+            lora_loads_lazily() if lazily else nullcontext():
         run(args)
 
 

@@ -109,7 +109,7 @@ def sha256_file(path: str) -> str:
 
 
 # safetensors dtype codes -> MLX dtype names.
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
     "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
@@ -152,7 +152,8 @@ def read_header(path: str) -> dict:
                 and isinstance(v.get("shape"), list)
                 and all(isinstance(d, int) and d >= 0 for d in v["shape"])):
             raise bad(f"the header entry {k[:80]!r} has no dtype and shape")
-        out[k] = {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])}
+        out[k] = {"dtype": SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]),
+                  "shape": list(v["shape"])}
     return out
 
 

@@ -9,7 +9,7 @@ leaves the model as it is), so that it loads into either.
 """
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,8 +48,8 @@ def full_parameters(model: nn.Module) -> dict:
     A collective: every rank must call it, at the same point, and it returns
     once the gathers are done. Every rank gets the whole model (one
     all-gather per bucket of each wrapped module), evaluated, which must fit
-    in its memory; a model without ``fully_shard`` is returned as its
-    parameters, with no communication.
+    in its memory (:func:`gathered_by_module` needs one module's); a model
+    without ``fully_shard`` is returned as its parameters, with no communication.
 
     Args:
         model (mlx.nn.Module): The model.
@@ -58,20 +58,56 @@ def full_parameters(model: nn.Module) -> dict:
         dict: The parameters, as ``model.parameters()`` of the model without
         ``fully_shard`` would give them.
     """
+    whole = {}
+    for part in gathered_by_module(model):
+        whole.update(part)
+    return tree_unflatten([(p, whole[p]) for p in plain_paths(model).values()])
+
+
+def gathered_by_module(model: nn.Module, keep: Optional[Callable[[str], bool]] = None
+                       ) -> Iterator[Dict[str, mx.array]]:
+    """The whole parameters of ``model`` one wrapped module at a time, by plain path.
+
+    Yields first the parameters no wrapper shards (those of a model without
+    ``fully_shard``, integer weights), then each wrapped module's gathered,
+    outermost first, all evaluated; so a rank holds one module whole at a
+    time beside its shards, if the caller drops each part before asking for
+    the next. A collective: every rank must run the generator to its end.
+
+    Args:
+        model (mlx.nn.Module): The model.
+        keep (Callable, optional): ``plain path -> bool``: the parameters to
+            yield; the rest are gathered (the buckets move them together) and
+            dropped at once. Default: ``None`` (all).
+    """
+    keep = keep or (lambda path: True)
     wrappers = _wrappers(model)
     prefixes = [p for p, _ in wrappers]
-    whole = dict(tree_flatten(model.parameters()))
+    flat = dict(tree_flatten(model.parameters()))
+    sharded = {f"{prefix}module.{local}" for prefix, m in wrappers for local in m._paths}
+    alone = {plain_path(p, prefixes): a for p, a in flat.items()
+             if p not in sharded and keep(plain_path(p, prefixes))}
+    if alone:
+        mx.eval(list(alone.values()))
+        yield alone
+    del flat
     for prefix, m in sorted(wrappers, key=lambda pm: len(pm[0])):
         held = dict(tree_flatten(m.module.parameters()))
         order = CollectiveOrder(m.group)
         full = gather_buckets(_own_dtype_plan(m), [held[p] for p in m._paths], [], m.group,
                               m.group.rank(), order, m.communication_stream)
+        del held
+        part = {}
         for local, a, dtype in zip(m._paths, full, m._dtypes):
-            whole[f"{prefix}module.{local}"] = a.astype(dtype)
-    # Evaluated here, on every rank: left lazy, the all-gathers would run
-    # only where the result is used (rank 0 saving it), and the others hang.
-    mx.eval(list(whole.values()))
-    return tree_unflatten([(plain_path(p, prefixes), a) for p, a in whole.items()])
+            path = plain_path(f"{prefix}module.{local}", prefixes)
+            if keep(path):
+                part[path] = a.astype(dtype)
+        # Evaluated here, on every rank, with what is dropped: left lazy, the
+        # all-gathers would run only where the result is used (rank 0
+        # saving it), and the others would hang.
+        mx.eval(list(part.values()) + list(full))
+        del full
+        yield part
 
 
 def _own_dtype_plan(m: FullyShardedModule) -> Plan:

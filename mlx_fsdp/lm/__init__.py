@@ -10,6 +10,7 @@ mlx-lm is imported when these are called, not when this package is imported.
 """
 
 from .hooks import trainer_all_reduce_removed
-from .train import save_adapters, sharded_training, train
+from .sharding import save_adapters
+from .train import sharded_training, train
 
 __all__ = ["train", "sharded_training", "trainer_all_reduce_removed", "save_adapters"]

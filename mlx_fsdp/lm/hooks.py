@@ -1,8 +1,9 @@
 """The only places where mlx_fsdp reaches into mlx-lm's internals.
 
 mlx-lm's trainer averages the gradients itself (``average_gradients`` inside
-its compiled step), and ``mlx_lm.lora`` builds its optimizer inside
-``train_model`` with no way to pass another. Both are module globals that the
+its compiled step); ``mlx_lm.lora`` builds its optimizer inside
+``train_model`` with no way to pass another, and loads the model whole;
+``mlx_lm.utils.save`` writes the weights itself. These are module globals that the
 functions below swap for the duration of a ``with`` block, after checking that
 they are still what this code was written against (mlx-lm 0.32.2); if mlx-lm
 changed, they raise a ``RuntimeError`` naming the installed version instead of
@@ -10,6 +11,7 @@ training silently wrong.
 """
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable
 
 import mlx.nn as nn
@@ -99,3 +101,54 @@ def lora_train_replaced(train: Callable):
         yield
     finally:
         lora.train = current
+
+
+@contextmanager
+def weights_written_apart():
+    """Make ``mlx_lm.utils.save`` write everything but the weights inside the block.
+
+    ``save`` writes the weights with ``save_model`` (a module global), then the
+    config, the tokenizer and the model card. A fully sharded model's weights
+    are written apart, a module at a time
+    (:func:`mlx_fsdp.lm.sharding.save_whole_weights`), and mlx-lm writes the rest.
+
+    Raises:
+        RuntimeError: If the installed ``mlx_lm.utils`` has no ``save_model``.
+    """
+    import mlx_lm.utils as utils
+
+    current = getattr(utils, "save_model", None)
+    if not callable(current):
+        raise _changed("mlx_lm.utils.save_model (expected the function mlx_lm.utils.save calls)")
+    utils.save_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        utils.save_model = current
+
+
+@contextmanager
+def lora_loads_lazily():
+    """Make ``mlx_lm.lora`` load the model lazily inside the block.
+
+    ``mlx_lm.lora.run`` loads the model with ``mlx_lm.utils.load``, which
+    evaluates every weight: every rank would hold the whole model before
+    sharding it. Loaded lazily, a weight is read from its file when first
+    evaluated, and :func:`mlx_fsdp.fully_shard` evaluates a rank's shards one
+    wrapped module at a time, so no rank ever holds the whole model.
+
+    Raises:
+        RuntimeError: If the installed ``mlx_lm.lora`` no longer loads through
+            ``mlx_lm.utils.load`` as a module global.
+    """
+    import mlx_lm.lora as lora
+    from mlx_lm import utils
+
+    current = getattr(lora, "load", None)
+    if current is not utils.load:
+        raise _changed(f"mlx_lm.lora.load (expected mlx_lm.utils.load, found {current!r})")
+    lora.load = partial(current, lazy=True)
+    try:
+        yield
+    finally:
+        lora.load = current

@@ -6,16 +6,25 @@ the architecture keeps them: ``model.model.layers`` for Llama and Qwen3).
 the whole model (the embeddings, the final norm, the head), so that a block's
 parameters are whole only while it runs. :func:`unshard_model` gathers the
 trained parameters back into the model as mlx-lm built it, on every rank, so
-that mlx-lm's own save, evaluation and generation take it unchanged.
+that mlx-lm's own save, evaluation and generation take it unchanged. Without
+it, :func:`save_adapters` and :func:`save_whole_weights` write the whole
+trained weights from the shards, gathered one wrapped module at a time, so
+that no rank ever holds the whole model.
 """
 
-from typing import Optional
+import json
+import os
+import shutil
+from contextlib import nullcontext
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..fully_sharded import FullyShardedModule, full_parameters, fully_shard, plain_paths
+from ..checkpoint.streamed import streamed_safetensors
+from ..fully_sharded import (FullyShardedModule, full_parameters, fully_shard,
+                             gathered_by_module, plain_paths)
 from ..fully_sharded.model import sharded_modules
 
 
@@ -105,17 +114,77 @@ def unshard_model(trained: nn.Module, model: nn.Module):
     mx.eval(model.parameters())  # on every rank: the gathers are collectives
 
 
-def trainable_weights(model: nn.Module) -> dict:
-    """``{path: array}`` of the trainable parameters, whole, under the paths mlx-lm saves.
+def trainable_parts(model: nn.Module) -> Iterator[dict]:
+    """The trainable parameters, whole, under the paths mlx-lm saves, a part at a time.
 
-    With a fully sharded model this is a collective (every rank must call it)
-    that gathers the whole model on every rank; otherwise it communicates nothing.
+    With a fully sharded model this is a collective (every rank must run it
+    to its end) that gathers one wrapped module at a time and keeps its
+    trainable arrays, so no rank ever holds the whole model (for LoRA, the
+    frozen base is dropped as it comes); otherwise one part, with no
+    communication.
     """
     weights = dict(tree_flatten(model.trainable_parameters()))
     if not sharded_modules(model):
-        return weights
+        yield weights
+        return
     plain = plain_paths(model)
-    full = dict(tree_flatten(full_parameters(model)))
-    weights = {plain[p]: full[plain[p]] for p in weights}
-    mx.eval(weights)  # here, on every rank: the gathers are collectives
-    return weights
+    trained = {plain[p] for p in weights}
+    yield from gathered_by_module(model, keep=trained.__contains__)
+
+
+def save_whole_weights(path: str, model: nn.Module):
+    """Write the whole weights of a fully sharded ``model`` as ``mlx_lm.load`` reads them.
+
+    A collective: every rank must call it. One wrapped module is gathered at
+    a time (:func:`~mlx_fsdp.fully_sharded.gathered_by_module`) and rank 0
+    writes it to a file of its own, ``model-0000i-of-0000K.safetensors``,
+    then ``model.safetensors.index.json``, as mlx-lm's ``save_model`` names
+    them; so no rank ever holds the whole model.
+
+    Args:
+        path (str): The model directory (created).
+        model (mlx.nn.Module): The trained model, wrapped by :func:`shard_model`.
+    """
+    rank = mx.distributed.init().rank()
+    written, index, total = [], {}, 0
+    for part in gathered_by_module(model):
+        if rank == 0 and part:
+            os.makedirs(path, exist_ok=True)
+            name = os.path.join(path, f".model-{len(written):05d}.tmp.safetensors")
+            mx.save_safetensors(name, part, metadata={"format": "mlx"})
+            written.append((name, sorted(part)))
+            total += sum(a.nbytes for a in part.values())
+        del part
+    for i, (name, keys) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(name, os.path.join(path, final))
+        index.update(dict.fromkeys(keys, final))
+    if rank == 0:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": dict(sorted(index.items()))}, fh, indent=4)
+
+
+def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
+    """Write the trainable parameters as mlx-lm does: ``adapters.safetensors``, and a numbered copy.
+
+    Rank 0 writes. Call it on every rank, or on rank 0 alone for a model
+    without :func:`mlx_fsdp.fully_shard`: a fully sharded model's parameters
+    are gathered a module at a time (a collective), and written whole under
+    the paths of the model without ``fully_shard``.
+
+    Args:
+        adapter_file (str): mlx-lm's ``adapter_file`` (``.../adapters.safetensors``).
+        model (mlx.nn.Module): The model.
+        iteration (int, optional): Also write ``{iteration:07d}_adapters.safetensors``
+            next to it. Default: ``None``.
+    """
+    writing = mx.distributed.init().rank() == 0
+    # A part at a time: a full fine-tune's trainable arrays are the whole model.
+    with streamed_safetensors(str(adapter_file)) if writing else nullcontext() as out:
+        for part in trainable_parts(model):
+            if writing:
+                out.add(part)
+    if writing and iteration is not None:
+        shutil.copyfile(str(adapter_file), os.path.join(
+            os.path.dirname(str(adapter_file)), f"{iteration:07d}_adapters.safetensors"))

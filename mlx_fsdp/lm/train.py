@@ -15,7 +15,7 @@ from ..wrapper import DistributedOptimizer
 from . import checkpoints
 from .hooks import trainer_all_reduce_removed
 from .position import ResumableBatches
-from .sharding import check_options, shard_model, trainable_weights, unshard_model
+from .sharding import check_options, save_adapters, shard_model, unshard_model
 
 
 def _wrap(optimizer, fsdp: bool, options: dict):
@@ -116,35 +116,12 @@ def _trim_log(path: str, start: int):
         fh.writelines(kept)
 
 
-def save_adapters(adapter_file: str, model, iteration: Optional[int] = None):
-    """Write the trainable parameters as mlx-lm does: ``adapters.safetensors``, and a numbered copy.
-
-    Rank 0 writes. Call it on every rank, or on rank 0 alone for a model
-    without :func:`mlx_fsdp.fully_shard`: a fully sharded model's parameters
-    are gathered (a collective), and written whole under the paths of the
-    model without ``fully_shard``.
-
-    Args:
-        adapter_file (str): mlx-lm's ``adapter_file`` (``.../adapters.safetensors``).
-        model (mlx.nn.Module): The model.
-        iteration (int, optional): Also write ``{iteration:07d}_adapters.safetensors``
-            next to it. Default: ``None``.
-    """
-    weights = trainable_weights(model)
-    if mx.distributed.init().rank():
-        return
-    mx.save_safetensors(str(adapter_file), weights)
-    if iteration is not None:
-        numbered = os.path.join(os.path.dirname(str(adapter_file)),
-                                f"{iteration:07d}_adapters.safetensors")
-        mx.save_safetensors(numbered, weights)
-
-
 def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=None,
           iterate_batches=None, training_callback=None, *, fsdp: bool = True,
           fully_shard: bool = False, reshard_after_forward: bool = False,
           accumulation: str = "local", checkpoint_dir: Optional[str] = None,
-          resume: bool = False, log_file: Optional[str] = None, **options):
+          resume: bool = False, log_file: Optional[str] = None, unshard: bool = True,
+          **options):
     """``mlx_lm.tuner.trainer.train`` with a sharded optimizer, checkpoints and resume.
 
     Takes ``train``'s arguments and calls it inside :func:`sharded_training`,
@@ -171,8 +148,7 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
             it (``ddp_step``). Default: ``True``.
         fully_shard (bool): Also shard the parameters: wrap each block of
             ``model.layers``, then the model, with :func:`mlx_fsdp.fully_shard`
-            for the run (see :mod:`mlx_fsdp.lm.sharding`); at the end every
-            rank gets the whole trained parameters back in ``model``, unwrapped.
+            for the run (see :mod:`mlx_fsdp.lm.sharding`; at the end, ``unshard``).
             Each rank saves only its shards to ``checkpoint_dir``; a run resumes
             from them, or from a checkpoint saved without ``fully_shard``, with
             or without it (see :mod:`mlx_fsdp.lm.checkpoints`). Needs ``fsdp``.
@@ -194,6 +170,12 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         log_file (str, optional): Rank 0 appends every loss report to it as a
             JSON line (``{"kind": "train" | "val", "iteration": ..., ...}``); on
             resume, lines after the checkpoint are dropped first. Default: ``None``.
+        unshard (bool): With ``fully_shard``: put the whole trained parameters
+            back into ``model``, unwrapped, on every rank at the end; or return
+            the sharded model, never whole on any rank. Default: ``True``.
+
+    Returns:
+        mlx.nn.Module: ``model``, or its sharded wrapper (``unshard=False``).
         **options: Keyword arguments of the wrapper (``max_norm``,
             ``communication_size``, ``master_dtype``, ...).
 
@@ -286,4 +268,7 @@ def train(model, optimizer, train_dataset, val_dataset=None, args=None, loss=Non
         )
     if args.iters > start:
         save(args.iters, final=True)
+    if not unshard:
+        return model
     unshard_model(model, plain_model)
+    return plain_model
