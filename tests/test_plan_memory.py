@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 import mlx_fsdp
 from launch import run_script
 from mlx_fsdp.plan_memory import estimate, fit, optimizers, shapes
+from mlx_fsdp.plan_memory.transient import PROFILES, SCALAR_BYTES, temporaries, temporaries_apart
 from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape, pass_of
 from mlx_fsdp.plan_memory.buffers import (default_communication_size, default_device,
                                           fsdp_buffer_phases)
@@ -241,10 +242,13 @@ def test_resharded_blocks_count_their_activations_recomputed(tmp_path, capsys):
     assert pass_of("fully_shard", "blocks", False, device="gpu", backend="jaccl")["paced"]
     assert pass_of("fully_shard", "blocks", True, device="gpu", backend="nccl") == \
         {"checkpoint": True, "paced": False}
-    # Not recomputed: wrapped once, compiled whole, not resharded, or one rank
-    # (fully_shard leaves the model as it is).
-    for off in (dict(wrap="model"), dict(compiled=True), dict(reshard_after_forward=False),
-                dict(world_size=1)):
+    # Compiled whole (mlx-lm's trainer) the blocks recompute too, counted unpaced.
+    for device in ("cpu", "gpu"):
+        assert pass_of("fully_shard", "blocks", True, compiled=True, device=device) == \
+            {"checkpoint": True, "paced": False}
+    # Not recomputed: wrapped once, not resharded, or one rank (fully_shard
+    # leaves the model as it is).
+    for off in (dict(wrap="model"), dict(reshard_after_forward=False), dict(world_size=1)):
         for device in ("cpu", "gpu"):
             how = pass_of("fully_shard", **dict(dict(wrap="blocks", reshard_after_forward=True),
                                                  device=device, **off))
@@ -543,9 +547,14 @@ def test_phases_count_the_pass_and_the_update_each_alone():
         estimate(model, "adamw", "fsdp", 2, phases=True)
 
 
-def test_a_compiled_step_counts_both_phases_and_no_resharding(capsys):
+def test_a_compiled_step_counts_its_compiled_update_and_reshards(capsys):
     """mx.compile (mlx-lm's trainer) on the CPU: measured, the temporaries met the
-    activations and resharding saved nothing on an MLP; ``compiled`` counts so."""
+    activations, and the update is compiled with the step, its kernels filling
+    the run-ahead window: an MLP 8 x 1024 with AdamW held every update's new
+    shard and moments at once, as high resharded as not, while resharded
+    blocks did reshard (mlx-lm's Llama 8 x 256 with SGD: 45.66 against 76.60
+    MiB, 2026-11-28). Before, ``compiled`` counted no block resharded, and
+    the resharded Llama planned at 2.1x its peak."""
     model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
                              "MLP")
     opts = dict(communication_size=1 << 20, device="cpu", activations=1 << 20)
@@ -553,11 +562,18 @@ def test_a_compiled_step_counts_both_phases_and_no_resharding(capsys):
     compiled = estimate(model, "adamw", "fully_shard", 2, compiled=True, **opts)[0]
     resharded = estimate(model, "adamw", "fully_shard", 2, compiled=True,
                          reshard_after_forward=True, **opts)[0]
-    assert compiled.temporaries > 0 and compiled.activations == 1 << 20
+    assert compiled.activations == 1 << 20
     assert eager.temporaries == 0 or eager.activations == 0  # one phase alone
-    assert compiled.peak > eager.peak and resharded == compiled
+    assert compiled.peak > eager.peak
+    assert resharded.gathered < compiled.gathered and resharded.temporaries > 0
+    # Four compiled updates fit in the window: all their allocations at once.
+    pieces = [(f"layers.{i}.weight", mx.zeros((128, 256))) for i in range(4)]
+    apart = temporaries_apart("adamw", pieces, traced=True)
+    assert apart.ahead == apart.most - sum(SCALAR_BYTES * PROFILES["adamw"].kernels
+                                           for _ in pieces)
+    assert temporaries("adamw", pieces, traced=True) > temporaries("adamw", pieces)
     main(["--params", "7B", "--mode", "fully_shard", "--device", "cpu", "--compiled"])
-    assert "the step compiled whole (counted not resharded)" in capsys.readouterr().out
+    assert "the step compiled whole" in capsys.readouterr().out
 
 
 def test_cli_shows_what_fully_sharding_saves(capsys):
@@ -776,6 +792,26 @@ def test_an_mlx_lm_llama_step_is_within_1_3x_of_the_bound(tmp_path):
     for r in rows:
         assert r["equal"], r
         assert r["peak_measured"] <= r["peak_predicted"] <= 1.3 * r["peak_measured"], r
+
+
+def test_a_whole_mlx_fsdp_lora_run_stays_below_its_plan(tmp_path):
+    """What a user plans and then runs: ``python -m mlx_fsdp.lora`` (mlx-lm's
+    loading, compiled trainer, evaluation and saving) at ring N=2, LoRA and
+    full fine-tuning, fully sharded with and without resharding, against
+    ``python -m mlx_fsdp.plan_memory MODEL ... --compiled`` for the same
+    batch: the whole run's peak on every rank is below the plan. Measured
+    2026-11-28 (Llama 8 x 256, every mode, AdamW and SGD): 1.20-2.16x; the
+    resharded LoRA runs 1.38x (2.13x while a compiled step was counted
+    with no block resharded)."""
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "plan_lm.json"
+    run_script(2, "benchmarks/bench_plan_lm.py",
+               ["--layers", "4", "--hidden", "128", "--modes", "fully_shard", "resharded",
+                "--optimizers", "sgd", "--iters", "2", "--json", str(out)], timeout=400)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert 0 < r["measured"] <= r["predicted"], r
 
 
 def test_a_loop_holding_its_old_parameters_stays_below_the_bound(tmp_path):

@@ -109,7 +109,8 @@ def parse_args(argv=None):
     g.add_argument("--compiled", action="store_true",
                    help="the step is compiled whole with mx.compile, as mlx-lm's trainer "
                    "runs it: the update's temporaries and the activations (or fsdp_step's "
-                   "gathers) both counted, and no block resharded (as measured on the CPU)")
+                   "gathers) both counted, the update compiled with it (as measured on "
+                   "the CPU)")
     g = p.add_argument_group("output")
     g.add_argument("--memory", type=byte_size,
                    help="memory per rank, e.g. 64GB or 64GiB: say what fits, and how many "

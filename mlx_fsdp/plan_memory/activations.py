@@ -187,12 +187,11 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
 
     ``fully_shard``'s blocks resharded after their forward pass (``wrap``
     ``"blocks"``) recompute their activations as ``mx.checkpoint``'s do,
-    unless the step is compiled whole, where resharding saved nothing
-    (:func:`mlx_fsdp.plan_memory.estimate.estimate_ranks`), or there is one
-    rank, where ``fully_shard`` leaves the model as it is. On the CPU their
-    backward pass is paced a block at a time (:mod:`mlx_fsdp.pace`); on a
-    GPU, the blocks' collectives pace the pass where the CPU runs them
-    (every backend but NCCL), resharded or not.
+    compiled or not, unless there is one rank, where ``fully_shard`` leaves
+    the model as it is. On the CPU their backward pass is paced a block at a
+    time (:mod:`mlx_fsdp.pace`), and counted so where it is not compiled; on
+    a GPU, the blocks' collectives pace the eager pass where the CPU runs
+    them (every backend but NCCL), resharded or not.
 
     Args:
         mode (str): ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``.
@@ -211,10 +210,10 @@ def pass_of(mode: str, wrap: str = "blocks", reshard_after_forward: bool = False
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}.")
-    blocks = mode == "fully_shard" and wrap == "blocks" and world_size > 1 and not compiled
+    blocks = mode == "fully_shard" and wrap == "blocks" and world_size > 1
     resharded = blocks and reshard_after_forward
     if device == "gpu":
-        paced = blocks and backend in CPU_COLLECTIVES
+        paced = blocks and not compiled and backend in CPU_COLLECTIVES
     else:
         paced = resharded and phases_apart(device, compiled)
     return {"checkpoint": checkpoint or resharded, "paced": paced}

@@ -158,7 +158,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
-                      wrap, reshard_after_forward and not compiled, method, device)
+                      wrap, reshard_after_forward, method, device)
     # Rank 0 holds the most rows of every array: only owners make another rank fuller.
     owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
     out = []
@@ -168,7 +168,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
-        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device), device)
+        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device),
+                            device, traced=compiled)
         apart = phases_apart(device, compiled)
         spare = pass_spare(units, activations) if apart else (0, 0)
         backward = dict(common, communication=units.communication, new_parameters=0,
@@ -240,9 +241,8 @@ def estimate_ranks(
             holds them). Default: ``0``.
         compiled (bool): The step is compiled whole with ``mx.compile``
             (mlx-lm's trainer). Measured so on the CPU, ``fully_shard``'s
-            update temporaries meet the activations, and resharding saved
-            nothing on an MLP: both are counted, no block resharded; the
-            gathers of ``fsdp_step`` meet its update. Default: ``False``.
+            update (compiled with it) meets the activations, and the gathers
+            of ``fsdp_step`` meet its update. Default: ``False``.
         phases (bool): ``fully_shard`` (at N > 1): per rank, its forward and
             backward pass and its update each counted alone, the one with
             the activations, the other with the temporaries

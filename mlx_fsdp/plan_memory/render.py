@@ -38,7 +38,7 @@ def header_tail(args) -> list:
                "and the rest of the model" if args.wrap == "blocks" else "the whole model once")
         out.append(f"fully_shard: {how}; reshard_after_forward "
                    f"{'on' if args.reshard_after_forward else 'off'}"
-                   + ("; the step compiled whole (counted not resharded)"
+                   + ("; the step compiled whole"
                       if getattr(args, "compiled", False) else ""))
     out.append("GiB per rank (the fullest rank); peak = the sum: one optimizer step"
                + (" or fully_shard's forward and backward pass (gathered, full grads), "
@@ -52,7 +52,7 @@ def header_tail(args) -> list:
                   + (" with mx.checkpoint per block" if args.grad_checkpoint else
                      "; fully_shard's resharded blocks recompute theirs, counted as under "
                      "mx.checkpoint" if "fully_shard" in args.mode and args.wrap == "blocks"
-                     and not getattr(args, "compiled", False) else "")
+                     else "")
                   + ("; on a GPU with what MLX queues ahead, less where collectives the CPU "
                      "runs cut fully_shard's pass" if args.device == "gpu" else "")
                   if getattr(args, "batch_size", 0) else "; no batch given (--batch-size)"))

@@ -22,10 +22,8 @@ step's dtype:
   assumed to fuse alike (``mx.compile``'s fusion runs before the backend).
 
 ``tests/test_plan_memory.py`` holds ``ops`` and ``kernels`` to the nodes of
-MLX's own graph of one update; no test holds the other constants one by
-one: the grid of
-``benchmarks/bench_plan_memory.py`` (and ``tests/test_plan_memory.py``)
-holds the sum. One update alone, with the caller holding the old parameter
+MLX's own graph of one update; the grid of ``bench_plan_memory.py`` holds
+the sum. One update alone, with the caller holding the old parameter
 (mlx 0.32.4, CPU, a 2**20-element vector, 2026-11-26), peaked at, in
 elements per element (one limited to a 1-byte memory limit in brackets):
 AdamW 5 (3), Adam 4 (2), SGD 1 (1), Lion 4 (3), Adafactor on a matrix 5
@@ -33,12 +31,11 @@ AdamW 5 (3), Adam 4 (2), SGD 1 (1), Lion 4 (3), Adafactor on a matrix 5
 3, 3, 2, 2, 5. So AdamW's and Lion's totals and lives, and SGD's compiled
 total, are above their profiles: the model's margin comes from counting
 the largest updates twice (:func:`in_flight`; in ``fsdp_step``'s phases at
-most all updates' totals, :class:`Temporaries`), not from each profile. A
-bfloat16 parameter updated through its float32 master (2026-11-26, the same
-way, in float32 elements per element) peaked 0.5 above the float32 update
-(its new bfloat16 value) with no memory limit, and 0.5 below to 0.5 above
-it under the limit: the gradient's float32 copy is only a temporary the
-float32 update holds as well.
+most all updates' totals, :class:`Temporaries`), not from each profile.
+Through a float32 master a bfloat16 parameter's update peaked 0.5 float32
+elements per element above the float32 update (its new bfloat16 value),
+within 0.5 of it under the limit (2026-11-26): the gradient's float32 copy
+is a temporary the float32 update holds as well.
 
 How many updates overlap (:func:`in_flight`): MLX orders a graph
 breadth-first at most ``MLX_BFS_MAX_WIDTH`` (20) nodes wide, and an
@@ -84,12 +81,10 @@ IN_FLIGHT_OPS = 50
 #: Operations an eager update on a GPU can have queued: MLX's main thread
 #: waits once more than 10 command buffers are unfinished (``MAX_ACTIVE_TASKS``
 #: in mlx/transforms.cpp), so 11 committed and one being filled, of up to 20
-#: operations each on CUDA (``MLX_MAX_OPS_PER_BUFFER``; Metal's default
-#: depends on the chip, and 20 is an assumption there).
+#: operations each on CUDA (``MLX_MAX_OPS_PER_BUFFER``; assumed on Metal).
 GPU_IN_FLIGHT_OPS = 12 * 20
 
-#: Bytes of one operation's scalar output (Adafactor's norms and rates):
-#: an update's per-element profile leaves them out.
+#: Bytes of one operation's scalar output (Adafactor's norms and rates).
 SCALAR_BYTES = 4
 
 #: Updates under way at once, each holding its ``live`` bytes: fitted to
@@ -254,7 +249,8 @@ def costs(optimizer: str, pieces: Sequence[Tuple[str, Sequence[int], int]],
 
 
 def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
-                compiled: bool = False, device: str = "cpu", whole_arrays: bool = False) -> int:
+                compiled: bool = False, device: str = "cpu", whole_arrays: bool = False,
+                traced: bool = False) -> int:
     """Bytes of the optimizer's temporaries alive at once in one rank's step.
 
     Args:
@@ -268,32 +264,36 @@ def temporaries(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dty
         device (str): ``"cpu"`` or ``"gpu"``, where the step runs. Default: ``"cpu"``.
         whole_arrays (bool): ``pieces`` are whole arrays (``ddp_step``).
             Default: ``False``.
+        traced (bool): The whole step is compiled (``mx.compile``, as mlx-lm's
+            trainer runs it), and its update with it. Default: ``False``.
 
     Returns:
         int: ``side + ahead`` of :func:`temporaries_apart`, not capped at
         ``most``: capped, an H100's fully sharded step measured above it.
     """
-    temps = temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays)
+    temps = temporaries_apart(optimizer, pieces, master_dtype, compiled, device, whole_arrays,
+                              traced)
     return temps.side + temps.ahead
 
 
 def temporaries_apart(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
-                      compiled: bool = False, device: str = "cpu",
-                      whole_arrays: bool = False) -> Temporaries:
+                      compiled: bool = False, device: str = "cpu", whole_arrays: bool = False,
+                      traced: bool = False) -> Temporaries:
     """:func:`temporaries` in parts (:class:`Temporaries`); its arguments.
 
-    ``ahead`` is counted on a GPU over :data:`GPU_IN_FLIGHT_OPS` (of compiled
-    kernels for ``ddp_step``'s compiled update), and can meet whatever the
-    step queues next.
+    ``ahead`` is counted on a GPU over :data:`GPU_IN_FLIGHT_OPS`, of compiled
+    kernels for ``ddp_step``'s compiled update and in a step compiled whole,
+    where the kernels fill the CPU's window too (an MLP 8 x 1024 with AdamW
+    held every update's new shard and moments at once, 2026-11-28); it can
+    meet whatever the step queues next.
     """
     master_size = master_dtype.size if master_dtype is not None else 0
     updates = costs(optimizer, [(p, tuple(a.shape), a.dtype.size) for p, a in pieces],
-                    master_size, compiled)
-    window = IN_FLIGHT_OPS
-    if device == "gpu" and compiled and whole_arrays:  # ddp_step's (module docstring)
-        updates, window = [u._replace(ops=u.kernels) for u in updates], GPU_IN_FLIGHT_OPS
-    elif device == "gpu" and not compiled:
-        window = GPU_IN_FLIGHT_OPS
+                    master_size, compiled or traced)
+    kernels = traced or (device == "gpu" and compiled and whole_arrays)  # module docstring
+    if kernels:
+        updates = [u._replace(ops=u.kernels) for u in updates]
+    window = GPU_IN_FLIGHT_OPS if device == "gpu" and (kernels or not compiled) else IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
     workspace = matmul_workspace(optimizer, device)
     most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
