@@ -165,15 +165,15 @@ def save_model_directory(path: str, model_ref: str, model):
         save(path, model_ref, model, load_tokenizer(src), load_config(src), donate_model=False)
 
 
-def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
-           training_callback=None, **rest):
-    # Stands in for mlx-lm's trainer inside mlx_lm.lora.train_model.
+def _train(options, trained: dict, *, model, args, optimizer, train_dataset,
+           val_dataset=None, training_callback=None, **rest):
+    # Stands in for mlx-lm's trainer inside mlx_lm.lora.train_model. A fully
+    # sharded model stays sharded to the end: a full fine-tune is saved from
+    # its shards, and --test evaluates it so (hooks.lora_tests_model).
     from .lm import train
 
     adapter_path = options.adapter_path
-    # mlx-lm's --test evaluates the model it built, whole; else it stays
-    # sharded to the end, and a full fine-tune is saved from its shards.
-    trained = train(
+    trained["model"] = train(
         model, optimizer, train_dataset, val_dataset, args,
         training_callback=training_callback, fsdp=options.fsdp,
         fully_shard=bool(options.fully_shard),
@@ -183,11 +183,11 @@ def _train(options, *, model, args, optimizer, train_dataset, val_dataset=None,
         resume=bool(options.resume), log_file=os.path.join(adapter_path, "losses.jsonl"),
         communication_size=options.communication_size, max_norm=options.max_norm,
         master_dtype=getattr(mx, options.master_dtype) if options.master_dtype else None,
-        unshard=bool(options.test), **rest,
+        unshard=False, **rest,
     )
     if options.fine_tune_type == "full":
         path = os.path.join(adapter_path, "model")
-        save_model_directory(path, options.model, trained)
+        save_model_directory(path, options.model, trained["model"])
         if mx.distributed.init().rank() == 0:
             print(f"Saved the fine-tuned model to {path} (mlx_lm.load reads it)", flush=True)
 
@@ -196,7 +196,7 @@ def main(argv=None):
     """Run ``mlx_lm.lora`` with the sharded optimizer; see the module docstring."""
     from mlx_lm.lora import run
 
-    from .lm.hooks import lora_loads_lazily, lora_train_replaced
+    from .lm.hooks import lora_loads_lazily, lora_tests_model, lora_train_replaced
     from .lm.sharding import check_options
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # as mlx_lm.lora sets it
@@ -204,7 +204,8 @@ def main(argv=None):
     # Before the model loads: a refused combination fails at once.
     check_options(args.fsdp, bool(args.fully_shard), bool(args.reshard_after_forward))
     lazily = args.fully_shard and mx.distributed.init().size() > 1
-    with lora_train_replaced(partial(_train, args)), \
+    trained = {}
+    with lora_train_replaced(partial(_train, args, trained)), lora_tests_model(trained), \
             lora_loads_lazily() if lazily else nullcontext():
         run(args)
 

@@ -507,25 +507,30 @@ def test_bench_lm_writes_its_table_and_json(tmp_path):
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_fully_sharded_run_never_holds_the_whole_model(kind, files, tmp_path):
     """--fully-shard loads the model lazily and shards it one block at a
-    time, and writes the fine-tuned weights from the shards one module at a
-    time: no rank holds the whole model at the start or at the end (before
-    2026-11-28 every rank loaded it whole, and gathered it whole to save
-    it). Eight blocks of 128: each is 1/9 of the model; a rank keeps half."""
+    time, writes the fine-tuned weights from the shards one module at a
+    time, and --test evaluates the sharded model: no rank holds the whole
+    model at the start or at the end (before 2026-11-28 every rank loaded it
+    whole, and gathered it whole to save or test it). Sixteen blocks of 128:
+    each is 1/17 of the model; a rank keeps half."""
     from mlx_fsdp.lm.tiny import write_model
 
     model = str(tmp_path / "model")
-    write_model(model, hidden_size=128, layers=8, seed=4)
+    write_model(model, hidden_size=128, layers=16, seed=4)
     whole = sum(a.nbytes for a in mx.load(os.path.join(model, "model.safetensors")).values())
     out = launch(2, "lm_memory.py", [
         "--model", model, "--data", files["data"], "--train", "--fine-tune-type", kind,
         "--num-layers", "-1", "--batch-size", "2", "--iters", "2", "--steps-per-eval", "100",
-        "--val-batches", "1", "--fully-shard", "--reshard-after-forward",
+        "--val-batches", "1", "--fully-shard", "--reshard-after-forward", "--test",
         "--adapter-path", str(tmp_path / "run")])
+    assert "Test loss" in out, out[-3000:]
     ranks = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
              if line.startswith("MEMORY ")]
     assert sorted(r["rank"] for r in ranks) == [0, 1], out[-3000:]
     for r in ranks:
         assert r["loaded"] < 0.8 * whole, (r, whole)
+        assert r["testing"] < 0.4 * whole, (r, whole)
+        if kind == "lora":  # little besides the model's shards when the test begins
+            assert r["testing_from"] < 0.8 * whole, (r, whole)
         if kind == "full":
             assert r["saving"] < 0.4 * whole, (r, whole)
     if kind == "full":

@@ -2,8 +2,8 @@
 
 mlx-lm's trainer averages the gradients itself (``average_gradients`` inside
 its compiled step); ``mlx_lm.lora`` builds its optimizer inside
-``train_model`` with no way to pass another, and loads the model whole;
-``mlx_lm.utils.save`` writes the weights itself. These are module globals that the
+``train_model`` with no way to pass another, loads the model whole and
+tests the model it built; ``mlx_lm.utils.save`` writes the weights itself. These are module globals that the
 functions below swap for the duration of a ``with`` block, after checking that
 they are still what this code was written against (mlx-lm 0.32.2); if mlx-lm
 changed, they raise a ``RuntimeError`` naming the installed version instead of
@@ -152,3 +152,33 @@ def lora_loads_lazily():
         yield
     finally:
         lora.load = current
+
+
+@contextmanager
+def lora_tests_model(trained: dict):
+    """Make ``mlx_lm.lora``'s ``--test`` evaluate ``trained["model"]`` inside the block.
+
+    ``mlx_lm.lora.run`` evaluates the model it built (``evaluate_model``, a
+    module global) once training is done. A fully sharded run leaves that
+    model's blocks wrapped; the model to evaluate is then the sharded one it
+    trained, which gathers a block at a time, so that no rank holds the
+    whole model for the test either. Without ``"model"`` in ``trained``,
+    mlx-lm's own is evaluated.
+
+    Raises:
+        RuntimeError: If the installed ``mlx_lm.lora`` has no ``evaluate_model``.
+    """
+    import mlx_lm.lora as lora
+
+    current = getattr(lora, "evaluate_model", None)
+    if not callable(current):
+        raise _changed("mlx_lm.lora.evaluate_model (expected the function run calls)")
+
+    def evaluate_model(args, model, test_set):
+        return current(args, trained.get("model", model), test_set)
+
+    lora.evaluate_model = evaluate_model
+    try:
+        yield
+    finally:
+        lora.evaluate_model = current
