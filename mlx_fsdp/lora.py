@@ -136,7 +136,8 @@ def save_model_directory(path: str, model_ref: str, model):
 
     A model sharded by :func:`mlx_fsdp.lm.sharding.shard_model` is gathered
     one module at a time (:func:`~mlx_fsdp.lm.sharding.save_whole_weights`),
-    so every rank must call this then; otherwise rank 0 alone writes.
+    so every rank must call this then; otherwise rank 0 alone writes. The
+    weight files of an earlier save to ``path`` are removed first.
 
     Args:
         path (str): The directory to write.
@@ -154,6 +155,12 @@ def save_model_directory(path: str, model_ref: str, model):
     from .lm.sharding import save_whole_weights
 
     sharded = bool(sharded_modules(model))
+    if mx.distributed.init().rank() == 0 and os.path.isdir(path):
+        # mlx_lm.load reads every model*.safetensors there: an earlier run's
+        # files, named otherwise, would mix stale weights into these.
+        for name in os.listdir(path):
+            if name.startswith("model") and name.endswith((".safetensors", ".index.json")):
+                os.remove(os.path.join(path, name))
     if sharded:
         save_whole_weights(path, model)
     if mx.distributed.init().rank() != 0:

@@ -517,6 +517,9 @@ def test_fully_sharded_run_never_holds_the_whole_model(kind, files, tmp_path):
     model = str(tmp_path / "model")
     write_model(model, hidden_size=128, layers=16, seed=4)
     whole = sum(a.nbytes for a in mx.load(os.path.join(model, "model.safetensors")).values())
+    # An earlier save there, named otherwise, must not mix into this one.
+    os.makedirs(tmp_path / "run" / "model")
+    shutil.copy(os.path.join(model, "model.safetensors"), tmp_path / "run" / "model")
     out = launch(2, "lm_memory.py", [
         "--model", model, "--data", files["data"], "--train", "--fine-tune-type", kind,
         "--num-layers", "-1", "--batch-size", "2", "--iters", "2", "--steps-per-eval", "100",
@@ -535,5 +538,6 @@ def test_fully_sharded_run_never_holds_the_whole_model(kind, files, tmp_path):
             assert r["saving"] < 0.4 * whole, (r, whole)
     if kind == "full":
         from mlx_lm import load
+        assert not (tmp_path / "run" / "model" / "model.safetensors").exists()
         loaded, _ = load(str(tmp_path / "run" / "model"))
         assert sum(a.nbytes for _, a in tree_flatten(loaded.parameters())) == whole
