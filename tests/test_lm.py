@@ -440,6 +440,30 @@ def test_hooks_refuse_a_changed_mlx_lm(monkeypatch):
     with pytest.raises(RuntimeError, match="changed mlx_lm.lora.train"):
         with lora_train_replaced(print):
             pass
+    # The lazy load, --test on the sharded model, and the weights written apart.
+    import mlx_lm.utils
+
+    from mlx_fsdp.lm.hooks import lora_loads_lazily, lora_tests_model, weights_written_apart
+
+    with lora_loads_lazily():
+        assert mlx_lm.lora.load.keywords == {"lazy": True}
+    assert mlx_lm.lora.load is mlx_lm.utils.load
+    seen = []
+    monkeypatch.setattr(mlx_lm.lora, "evaluate_model", lambda *args: seen.append(args))
+    with lora_tests_model({"model": "sharded"}):
+        mlx_lm.lora.evaluate_model("args", "mlx-lm's model", "test set")
+    with lora_tests_model({}):  # nothing trained here: mlx-lm's own model
+        mlx_lm.lora.evaluate_model("args", "mlx-lm's model", "test set")
+    assert seen == [("args", "sharded", "test set"), ("args", "mlx-lm's model", "test set")]
+    for hook, name in ((lora_loads_lazily, "load"), (lora_tests_model, "evaluate_model")):
+        monkeypatch.delattr(mlx_lm.lora, name, raising=False)
+        with pytest.raises(RuntimeError, match=f"changed mlx_lm.lora.{name}"):
+            with hook() if hook is lora_loads_lazily else hook({}):
+                pass
+    monkeypatch.delattr(mlx_lm.utils, "save_model")
+    with pytest.raises(RuntimeError, match="changed mlx_lm.utils.save_model"):
+        with weights_written_apart():
+            pass
 
 
 def test_a_changed_batch_order_is_refused():
