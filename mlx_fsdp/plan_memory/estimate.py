@@ -45,7 +45,7 @@ import mlx.core as mx
 from ..fused import use_fused_updates
 from . import fully, optimizers
 from .phases import (fsdp_fullest, pass_spare, phases_apart, reduces_ahead,
-                     update_during_backward)
+                     update_during_backward, with_pass)
 from .transient import temporaries, temporaries_apart
 from .buffers import (ddp_buffers, default_communication_size, default_device,
                       fsdp_buffer_phases, resolve_reduce_scatter)
@@ -289,7 +289,7 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, device, compiled)
-        return [replace(r, activations=activations) for r in ranks]
+        return [with_pass(r, activations, mode, device, world_size) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))

@@ -160,3 +160,23 @@ def pass_spare(units: Units, activations: int) -> Tuple[int, int]:
         return params, max(0, grads - activations)
     more = max(0, params + grads - activations)
     return min(more, params), more - min(more, params)
+
+
+def with_pass(step: RankMemory, activations: int, mode: str, device: str,
+              world_size: int) -> RankMemory:
+    """One ``ddp_step`` or ``fsdp_step`` rank's ``step`` with one batch's pass.
+
+    On the CPU ``fsdp_step``'s update waits for its last reduce-scatter and
+    each reduce-scatter for the one before it (:mod:`mlx_fsdp.pace`), also
+    inside ``mx.compile``: the whole backward pass has run, and its
+    activations are gone, before the update's temporaries and new
+    parameters come. So the fuller of the two counts: the step, or the pass
+    with its activations beside what the step keeps (its communication
+    too, an upper bound). ``ddp_step`` (not paced), one process and a GPU
+    count both at once. Measured (``bench_plan_lm.py``, whole ``python -m
+    mlx_fsdp.lora`` runs, 2026-11-28): docs/memory-planner.md.
+    """
+    counted = replace(step, activations=activations)
+    if mode != "fsdp" or world_size == 1 or device != "cpu" or not pace.QUEUE_DEPTH:
+        return counted
+    return max(step, replace(counted, temporaries=0, new_parameters=0), key=lambda r: r.peak)

@@ -47,6 +47,9 @@ def header_tail(args) -> list:
                + (" (fully_shard: the pass with the acts, the update with the temps, as the "
                   "update waits for the pass here)" if "fully_shard" in args.mode
                   and phases_apart(args.device, getattr(args, "compiled", False)) else "")
+               + (" (fsdp: the step, or the pass with the acts, the fuller, as its update "
+                  "waits for the pass here)" if "fsdp" in args.mode and args.device == "cpu"
+                  and getattr(args, "batch_size", 0) else "")
                + ": an upper bound"
                + (f"; activations of batch {args.batch_size} x {args.seq_len} tokens"
                   + (" with mx.checkpoint per block" if args.grad_checkpoint else
