@@ -41,6 +41,21 @@ def _keep_gradients(gradients, *args, **kwargs):
 
 
 @contextmanager
+def _swapped(module, name: str, expected: Callable, what: str, replacement: Callable):
+    """``module.name`` set to ``replacement(current)`` inside the block, then restored
+    (also after an exception); a ``RuntimeError`` naming the installed mlx-lm
+    unless ``expected(current)``, where ``what`` says what was expected."""
+    current = getattr(module, name, None)
+    if not expected(current):
+        raise _changed(f"{module.__name__}.{name} (expected {what}, found {current!r})")
+    setattr(module, name, replacement(current))
+    try:
+        yield
+    finally:
+        setattr(module, name, current)
+
+
+@contextmanager
 def trainer_all_reduce_removed():
     """Turn off the all-reduce of ``mlx_lm.tuner.trainer.train`` inside the block.
 
@@ -60,17 +75,10 @@ def trainer_all_reduce_removed():
     """
     from mlx_lm.tuner import trainer
 
-    current = getattr(trainer, "average_gradients", None)
-    if current is not nn.average_gradients and current is not _keep_gradients:
-        raise _changed(
-            "mlx_lm.tuner.trainer.average_gradients (expected mlx.nn.average_gradients, "
-            f"found {current!r})"
-        )
-    trainer.average_gradients = _keep_gradients
-    try:
+    with _swapped(trainer, "average_gradients",
+                  lambda f: f is nn.average_gradients or f is _keep_gradients,
+                  "mlx.nn.average_gradients", lambda _: _keep_gradients):
         yield
-    finally:
-        trainer.average_gradients = current
 
 
 @contextmanager
@@ -93,14 +101,9 @@ def lora_train_replaced(train: Callable):
     import mlx_lm.lora as lora
     from mlx_lm.tuner import trainer
 
-    current = getattr(lora, "train", None)
-    if current is not trainer.train:
-        raise _changed(f"mlx_lm.lora.train (expected mlx_lm.tuner.trainer.train, found {current!r})")
-    lora.train = train
-    try:
+    with _swapped(lora, "train", lambda f: f is trainer.train, "mlx_lm.tuner.trainer.train",
+                  lambda _: train):
         yield
-    finally:
-        lora.train = current
 
 
 @contextmanager
@@ -117,14 +120,9 @@ def weights_written_apart():
     """
     import mlx_lm.utils as utils
 
-    current = getattr(utils, "save_model", None)
-    if not callable(current):
-        raise _changed("mlx_lm.utils.save_model (expected the function mlx_lm.utils.save calls)")
-    utils.save_model = lambda *args, **kwargs: None
-    try:
+    with _swapped(utils, "save_model", callable, "the function mlx_lm.utils.save calls",
+                  lambda _: lambda *args, **kwargs: None):
         yield
-    finally:
-        utils.save_model = current
 
 
 @contextmanager
@@ -144,14 +142,9 @@ def lora_loads_lazily():
     import mlx_lm.lora as lora
     from mlx_lm import utils
 
-    current = getattr(lora, "load", None)
-    if current is not utils.load:
-        raise _changed(f"mlx_lm.lora.load (expected mlx_lm.utils.load, found {current!r})")
-    lora.load = partial(current, lazy=True)
-    try:
+    with _swapped(lora, "load", lambda f: f is utils.load, "mlx_lm.utils.load",
+                  lambda load: partial(load, lazy=True)):
         yield
-    finally:
-        lora.load = current
 
 
 @contextmanager
@@ -170,15 +163,9 @@ def lora_tests_model(trained: dict):
     """
     import mlx_lm.lora as lora
 
-    current = getattr(lora, "evaluate_model", None)
-    if not callable(current):
-        raise _changed("mlx_lm.lora.evaluate_model (expected the function run calls)")
+    def tests_trained(evaluate_model):
+        return lambda args, model, test_set: evaluate_model(
+            args, trained.get("model", model), test_set)
 
-    def evaluate_model(args, model, test_set):
-        return current(args, trained.get("model", model), test_set)
-
-    lora.evaluate_model = evaluate_model
-    try:
+    with _swapped(lora, "evaluate_model", callable, "the function run calls", tests_trained):
         yield
-    finally:
-        lora.evaluate_model = current
