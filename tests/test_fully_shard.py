@@ -326,3 +326,13 @@ def test_what_cannot_work_is_refused_on_every_rank(case):
     assert code == 0 and "NO ERROR" not in out, out
     for rank in range(2):
         assert re.search(f"rank {rank}: {ERRORS[case]}", out), out
+
+
+def test_a_lazily_built_model_is_never_whole_on_a_rank():
+    """fully_shard evaluates only this rank's rows of the module it wraps: a
+    model wrapped layer by layer before it is evaluated peaks at its shards and
+    one layer (0.625x of it at N=2 with 8 layers), evaluated first at all of it."""
+    out = run_script(2, "benchmarks/bench_lazy_shard.py", ["--layers", "8", "--hidden", "256"])
+    ratio = {line.split(":")[0]: float(line.rsplit(", ", 1)[1].split("x")[0])
+             for line in out.splitlines() if line.startswith(("lazy:", "eager:"))}
+    assert ratio["lazy"] < 0.75 < 1.0 <= ratio["eager"], out
