@@ -69,7 +69,7 @@ def measure(model_name: str, optimizer: str, args, group) -> dict:
     gc.collect()
     mx.clear_cache()
     model = bpm.build(model_name, args)
-    plain = shapes.from_tree(model.trainable_parameters(), model_name)
+    plain = shapes.from_tree(model, model_name)
     grads = bpm.gradients(model, model_name, group.rank(), args)
     opt = bpm.wrapper(optimizers.make(optimizer), "fsdp", args, group)
     worst = [0, 0, 0]

@@ -68,7 +68,7 @@ def main(argv=None):
     args = types.SimpleNamespace(dtype="bfloat16", communication_size=None, accumulation="none",
                                  hidden=512, layers=4, **vars(a))
     group = mx.distributed.init()
-    plain = shapes.from_tree(bpm.build("llama", args).trainable_parameters(), "llama")
+    plain = shapes.from_tree(bpm.build("llama", args), "llama")
     mib = lambda n: f"{n / 1024**2:.2f}"  # noqa: E731
     if group.rank() == 0:
         print(f"N={group.size()}, mlx-lm llama {a.gpt_layers} x {a.dims}, bfloat16 with float32 "

@@ -196,7 +196,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     gc.collect()
     mx.clear_cache()
     model = build(model_name, args)
-    plain = shapes.from_tree(model.trainable_parameters(), model_name)
+    plain = shapes.from_tree(model, model_name)  # the module: how its gradients arrive
     inner = optimizers.make(optimizer)
     fully = mode == "fully_shard"
     activations = 0
@@ -243,9 +243,14 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
         mx.eval(step(), model.parameters(), opt.state)
         if measured:
             peak = max(peak, mx.get_peak_memory())
+    # fsdp_step's new parameters are views of the gathered vectors, whose
+    # padding they keep alive: the real plan's, in the parameters' dtype.
+    padding = sum(b.padding(group.size()) * getattr(mx, b.param_dtype).size
+                  for b in opt.plan.buckets if not b.summed(group.size())) \
+        if mode == "fsdp" and group.size() > 1 else 0
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
                     tree_bytes(opt.state.get("master", {})), mine.masters,
-                    accumulated, mine.accumulation, tree_bytes(model.parameters()),
+                    accumulated, mine.accumulation, tree_bytes(model.parameters()) + padding,
                     mine.parameters, grad_bytes, mine.gradients, peak], mx.int64)
     rows = mx.distributed.all_gather(row[None], group=group).tolist()
     del model, opt
@@ -260,6 +265,10 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     out["peak_measured"] = max(r[10] for r in rows)
     out["peak_predicted"] = max(r.peak for r in predicted)
     out["peak_predicted_parts"] = max(predicted, key=lambda r: r.peak).to_dict()
+    # Rank by rank: owners make the ranks differ, and the fullest rank of
+    # the measurement need not be the planner's.
+    out["peak_measured_ranks"] = [r[10] for r in rows]
+    out["peak_predicted_ranks"] = [r.peak for r in predicted]
     return out
 
 

@@ -60,7 +60,7 @@ def measure(model_name: str, optimizer: str, reshard: bool, args, group) -> dict
     gc.collect()
     mx.clear_cache()
     model = bpm.build(model_name, args)
-    plain = shapes.from_tree(model.trainable_parameters(), model_name)
+    plain = shapes.from_tree(model, model_name)
     inner = optimizers.make(optimizer)
     loss = bpm.loss_of(model, model_name, group.rank(), args)
     activations = bpm.activations_of(model, loss)

@@ -17,6 +17,11 @@ From Python::
     print(max(r.peak for r in ranks))
     ranks = estimate(model, "adamw", "fully_shard", 8, reshard_after_forward=True)
 
+Of a model of your own, from the module itself (``shapes.from_tree(model)``),
+not its parameter tree: then the planner knows which matrices are ``Linear``
+weights, whose gradients MLX returns transposed, and counts only the
+copies packing really makes of them (a tree: every matrix's).
+
 With a batch, the activations as that mode's pass holds them (resharded
 blocks recompute theirs; on a GPU, collectives the CPU runs cut the pass)::
 

@@ -110,13 +110,19 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     gradient, and there the output is new). At MPI N=4 (``bench_fsdp_phases.py
     --hidden 256``, 2026-11-27) the MLP 4 x 256's step with SGD peaked at
     3.51 MiB, 1.25 MiB above its parameters, gradients and state: one
-    vector and the copy of the shard.
+    vector and the copy of the shard. Beside them, what packing copies
+    (:attr:`~mlx_fsdp.plan_memory.sharding.BucketBytes.copies`): at MPI N=4
+    (2026-11-28) the step with Adafactor on mlx-lm's Llama 8 x 128, its
+    matrices in two owner buckets, held both vectors, their padding's zeros,
+    the copies of its transposed weight gradients and a shard: 26.31 MiB,
+    against 22.19 counted without the copies, the zeros and the padding the
+    parameters keep (``BucketBytes.padding``).
     """
     if bucket.summed:  # its vector and their all-sum (mlx_fsdp.summed), both:
-        return 2 * bucket.vector  # not measured apart since the donation was seen
+        return 2 * bucket.vector + bucket.copies  # not measured apart since the donation
     if method == "native":
-        return bucket.vector + bucket.shard
-    return bucket.vector
+        return bucket.vector + bucket.shard + bucket.copies
+    return bucket.vector + (bucket.sent_copies if method == "exchange" else bucket.copies)
 
 
 def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
@@ -138,8 +144,9 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
     kept = {id(b): b.held if method == "exchange" else b.shard for b in mine}
     reduced = sum(kept.values())
     # While a bucket is reduced: its buffers and those allocated ahead of it,
-    # next to what the others keep.
-    sizes = [reduce_buffers(b, method) for b in mine]
+    # next to what the others keep; every rank packs and reduces every
+    # bucket, an owner bucket whose arrays are all another rank's too.
+    sizes = [reduce_buffers(b, method) for b in buckets]
     reducing = reduced + max((sum(sizes[i:i + ahead])
                               for i in range(max(1, len(sizes) - ahead + 1))), default=0)
     fullest = fullest_gather(buckets)

@@ -9,10 +9,11 @@ optimizer builds on those arrays (for FSDP, on this rank's pieces; see
 What is counted, per rank (all ranks hold the whole model under ``ddp``
 and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 
-* **parameters** and **gradients** (the gradient tree the caller holds, in
-  the parameters' dtype; a quantized layer, one with an integer
-  ``weight``, is frozen whole and gets none, as MLX freezes it, and so
-  does a frozen array, a LoRA base: :mod:`mlx_fsdp.plan_memory.lora`);
+* **parameters** (under ``fsdp``, with the padding of the gathered vectors
+  they are views of) and **gradients** (the tree the caller holds, in the
+  parameters' dtype; none for a quantized layer, one with an integer
+  ``weight``, frozen whole as MLX freezes it, nor a frozen array, a LoRA
+  base: :mod:`mlx_fsdp.plan_memory.lora`);
 * **accumulation**: with gradient accumulation, the running sum: the whole
   gradient (``"local"``) or this rank's reduced pieces (``"sharded"``,
   FSDP only);
@@ -94,15 +95,13 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-               master_dtype: Optional[mx.Dtype], accumulation: str,
-               device: str = "cpu") -> RankMemory:
+               master_dtype: Optional[mx.Dtype], accumulation: str, device="cpu") -> RankMemory:
     """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
     comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
     return RankMemory(
-        parameters=param_bytes, gradients=grads,
-        accumulation=0 if accumulation == "none" else grads,
+        parameters=param_bytes, gradients=grads, accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=comm, new_parameters=new,
         temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
@@ -111,7 +110,8 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                 master_dtype: Optional[mx.Dtype], accumulation: str, reduce_scatter=None,
-                device: str = "cpu", compiled: bool = False) -> List[RankMemory]:
+                device: str = "cpu", compiled: bool = False,
+                transposed: Optional[dict] = None) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
@@ -121,16 +121,16 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
     out = []
     for rank in range(world_size):
         state = _fsdp_state(optimizers.make(name), flat, world_size, rank, communication_size,
-                            None, master_dtype)
+                            None, master_dtype, transposed)
         pieces = tree_bytes(state["gradient"])
+        buckets = state["buckets"]
         common = RankMemory(
-            parameters=param_bytes, gradients=grads,
+            parameters=param_bytes + sum(b.padding for b in buckets), gradients=grads,
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=0, new_parameters=0)
         temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
                                   use_fused_updates(device), device)
-        buckets = state["buckets"]
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
         out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method, reduces_ahead(device)),
                                 temps, pieces, buckets, device, waits, compiled))
@@ -140,9 +140,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
 def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
-                 reshard_after_forward: bool, every_rank: bool = False,
-                 device: str = "cpu", activations: int = 0,
-                 compiled: bool = False, phases: bool = False) -> list:
+                 reshard_after_forward: bool, every_rank: bool = False, device: str = "cpu",
+                 activations: int = 0, compiled: bool = False, phases: bool = False) -> list:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
@@ -155,10 +154,10 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         return [replace(ddp_memory(name, flat, param_bytes, 1, communication_size,
                                    master_dtype, accumulation, device), activations=activations)]
     make_optimizer = lambda: optimizers.make(name)  # noqa: E731
-    method = resolve_reduce_scatter(reduce_scatter, world_size)
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
-                      wrap, reshard_after_forward, method, device)
+                      wrap, reshard_after_forward,
+                      resolve_reduce_scatter(reduce_scatter, world_size), device)
     # Rank 0 holds the most rows of every array: only owners make another rank fuller.
     owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
     out = []
@@ -288,7 +287,8 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
                                 communication_size, master, local, device)]
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
-                                master, accumulation, reduce_scatter, device, compiled)
+                                master, accumulation, reduce_scatter, device, compiled,
+                                {a.path: a.transposed for a in model.arrays})
         return [with_pass(r, activations, mode, device, world_size) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else

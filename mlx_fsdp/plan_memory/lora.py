@@ -70,8 +70,9 @@ def with_lora(model: Model, rank: int = 8, num_layers: int = 16) -> Model:
             if i + 1 < len(model.arrays) else None
         if following != module:  # after the base Linear's arrays, as LoRALinear orders them
             out_dims, in_dims = shape[module]
-            arrays += [Array(f"{module}.lora_a", (in_dims, rank), a.dtype),
-                       Array(f"{module}.lora_b", (rank, out_dims), a.dtype)]
+            # Factors of products, not Linear weights: row-major gradients.
+            arrays += [Array(f"{module}.lora_a", (in_dims, rank), a.dtype, transposed=False),
+                       Array(f"{module}.lora_b", (rank, out_dims), a.dtype, transposed=False)]
     trained = sum(a.shape[0] * a.shape[1] for a in arrays if not a.frozen)
     name = (f"{model.name}, LoRA rank {rank} on {len(adapted)} of {len(every)} blocks "
             f"({trained / 1e6:.2f}M trained parameters)")

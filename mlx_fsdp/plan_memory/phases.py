@@ -42,6 +42,13 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
 #: vectors of about seven of its 16 weight buckets, between bias buckets.
 REDUCES_AHEAD = IN_FLIGHT_OPS // 2
 
+#: What the count of an ``fsdp_step``'s buffers leaves out, in bytes: the
+#: step's small arrays (the tokens that chain its collectives, the pieces
+#: of 1-D arrays). Measured: with the copies packing makes counted, MPI
+#: N=4's Llama 8 x 128 with Adafactor peaked 4,964 bytes above the rest of
+#: the count (2026-11-28).
+SMALL_ARRAYS = 64 * 1024
+
 
 def reduces_ahead(device: str) -> int:
     """:data:`REDUCES_AHEAD` on the CPU; one bucket elsewhere (not measured)."""
@@ -76,19 +83,20 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     bucket's update but the next update not for it, so one bucket's gather
     (its packed shard and vector) and another bucket's gathered vector meet
     it (MPI N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the
-    count without that vector). The pacing chains' one-element arrays are
-    counted in every phase. Elsewhere (a GPU, unpaced) the temporaries meet
+    count without that vector). The pacing chains' one-element arrays and
+    :data:`SMALL_ARRAYS` are counted in every phase. Elsewhere (a GPU, unpaced) the temporaries meet
     the fuller buffers, with the largest bucket's vector packed ahead.
     Measured: docs/memory-planner.md, "The update waits for the last
     bucket's token".
     """
     (red, red_new), (gat, gat_new) = buffers
     if not phases_apart(device, compiled):
-        whole = temporaries.together + pieces + max((b.vector for b in buckets), default=0)
+        whole = temporaries.together + pieces + max((b.vector for b in buckets), default=0) \
+            + SMALL_ARRAYS
         return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
                     replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
                    key=lambda r: r.peak)
-    chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0))
+    chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0)) + SMALL_ARRAYS
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
                       temporaries=chains + temporaries.together + pieces)]
@@ -170,13 +178,16 @@ def with_pass(step: RankMemory, activations: int, mode: str, device: str,
     each reduce-scatter for the one before it (:mod:`mlx_fsdp.pace`), also
     inside ``mx.compile``: the whole backward pass has run, and its
     activations are gone, before the update's temporaries and new
-    parameters come. So the fuller of the two counts: the step, or the pass
-    with its activations beside what the step keeps (its communication
-    too, an upper bound). ``ddp_step`` (not paced), one process and a GPU
-    count both at once. Measured (``bench_plan_lm.py``, whole ``python -m
-    mlx_fsdp.lora`` runs, 2026-11-28): docs/memory-planner.md.
+    parameters come; and its first reduce-scatter waits for every gradient
+    (:mod:`mlx_fsdp.step`), so no communication buffer meets the pass. So
+    the fuller of the two counts: the step, or the pass with its
+    activations beside the parameters, gradients, state and masters.
+    ``ddp_step`` (not paced), one process and a GPU count both at once.
+    Measured (``bench_plan_lm.py``, whole ``python -m mlx_fsdp.lora`` runs,
+    2026-11-28): docs/memory-planner.md.
     """
     counted = replace(step, activations=activations)
     if mode != "fsdp" or world_size == 1 or device != "cpu" or not pace.QUEUE_DEPTH:
         return counted
-    return max(step, replace(counted, temporaries=0, new_parameters=0), key=lambda r: r.peak)
+    return max(step, replace(counted, temporaries=0, new_parameters=0, communication=0),
+               key=lambda r: r.peak)

@@ -13,7 +13,7 @@ Three sources, none of which loads a weight:
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from ..checkpoint.manifest import read_header
@@ -29,12 +29,19 @@ class Array:
         dtype (str): Its MLX dtype name, e.g. ``"bfloat16"``.
         frozen (bool): Whether it is left out of training (a LoRA base).
             Default: ``False``.
+        transposed (bool, optional): Whether its gradient arrives as a
+            transposed view, as MLX returns a ``Linear`` weight's (``False``:
+            row-major, as an embedding's or a LoRA factor's), where that is
+            known; it decides what packing the gradient copies
+            (:class:`~mlx_fsdp.plan_memory.sharding.BucketBytes`).
+            Default: ``None`` (unknown: counted as copied either way).
     """
 
     path: str
     shape: Tuple[int, ...]
     dtype: str
     frozen: bool = False
+    transposed: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,15 @@ def llama(layers: int, dims: int, ffn: int, vocab: int, heads: int,
         ("input_layernorm.weight", (dims,)),
         ("post_attention_layernorm.weight", (dims,)),
     ]
-    arrays = [Array("model.embed_tokens.weight", (vocab, dims), dtype)]
+    # Every matrix but the embedding is a Linear weight (tied, the embedding's
+    # gradient is its lookup's and its product's summed: row-major).
+    arrays = [Array("model.embed_tokens.weight", (vocab, dims), dtype, transposed=False)]
     for i in range(layers):
-        arrays += [Array(f"model.layers.{i}.{p}", s, dtype) for p, s in per_layer]
+        arrays += [Array(f"model.layers.{i}.{p}", s, dtype, transposed=len(s) == 2 or None)
+                   for p, s in per_layer]
     arrays.append(Array("model.norm.weight", (dims,), dtype))
     if not tie:
-        arrays.append(Array("lm_head.weight", (vocab, dims), dtype))
+        arrays.append(Array("lm_head.weight", (vocab, dims), dtype, transposed=True))
     if name is None:
         name = (f"Llama-style, {layers} layers, dims {dims}, ffn {ffn}, vocab {vocab}, "
                 f"{heads} heads" + (f" ({kv_heads} kv)" if kv_heads != heads else ""))
@@ -181,17 +191,34 @@ def from_config(config: dict, name: str) -> Model:
     )
 
 
+def _gradient_kinds(path: str) -> dict:
+    """``{path: Array.transposed}`` of the model mlx-lm loads from directory ``path``
+    (lazily: no weight is read), or ``{}`` where mlx-lm is missing or cannot load it;
+    the planner then counts every matrix's gradient as copied when packed."""
+    try:
+        from pathlib import Path
+
+        from mlx_lm.utils import load_model
+
+        module, _ = load_model(Path(path), lazy=True)
+    except Exception:  # no mlx-lm, or an architecture it lacks: unknown, the safe count
+        return {}
+    return {a.path: a.transposed for a in from_tree(module).arrays}
+
+
 def from_directory(path: str) -> Model:
     """A model directory: its safetensors headers, or else its ``config.json``."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     name = os.path.basename(os.path.normpath(path))
     config = os.path.join(path, "config.json")
     if files:
-        heads = None
+        heads, kinds = None, {}
         if os.path.exists(config):
             with open(config) as f:
-                heads = json.load(f).get("num_attention_heads")
-        return Model(name, from_safetensors(*files, name=name).arrays, heads)
+                described = json.load(f)
+            heads, kinds = described.get("num_attention_heads"), _gradient_kinds(path)
+        arrays = from_safetensors(*files, name=name).arrays
+        return Model(name, tuple(replace(a, transposed=kinds.get(a.path)) for a in arrays), heads)
     if not os.path.exists(config):
         raise ValueError(
             f"{path} holds neither *.safetensors nor config.json; pass an mlx-lm "
@@ -214,10 +241,22 @@ def load(source: str) -> Model:
 
 
 def from_tree(parameters, name: str = "model") -> Model:
-    """The arrays of a parameter tree (``model.trainable_parameters()``), by shape only."""
+    """The arrays of a parameter tree (``model.trainable_parameters()``), by shape only.
+
+    Given the module itself (an ``mlx.nn.Module``), its trainable arrays, each
+    with how its gradient arrives (:attr:`Array.transposed`): a ``Linear``
+    weight's transposed, an ``Embedding``'s row-major.
+    """
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    kinds = {}
+    if isinstance(parameters, nn.Module):
+        for prefix, module in parameters.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                kinds[f"{prefix}.weight" if prefix else "weight"] = isinstance(module, nn.Linear)
+        parameters = parameters.trainable_parameters()
     return Model(name, tuple(
-        Array(path, tuple(a.shape), str(a.dtype).rsplit(".", 1)[-1])
+        Array(path, tuple(a.shape), str(a.dtype).rsplit(".", 1)[-1], transposed=kinds.get(path))
         for path, a in tree_flatten(parameters)
     ))

@@ -54,6 +54,19 @@ class BucketBytes(NamedTuple):
         owned (bool): Its arrays are kept whole on owner ranks; on the CPU
             only the other buckets' all-gathers wait for their updates
             (:mod:`mlx_fsdp.step`).
+        copies (int): What packing allocates beside the vector: the zeros
+            of its padding, and the gradients flattening copies. Row by row
+            (owner buckets) a ``Linear`` weight's gradient, a transposed
+            view, is copied; in column order (a flat bucket's matrices) a
+            row-major one, an embedding's. Where the model does not say
+            (:attr:`~mlx_fsdp.plan_memory.shapes.Array.transposed`), every
+            array of two or more dimensions is counted.
+        sent_copies (int): The same under the two-rank exchange, which
+            packs only the peer's half; where it flattens an array on both
+            sides of the split (a flat bucket's), twice.
+        padding (int): The gathered vector's padding in the parameters'
+            dtype: the new parameters are views of that vector, so the
+            model keeps it from the first step on.
     """
 
     vector: int
@@ -63,28 +76,52 @@ class BucketBytes(NamedTuple):
     gathered: int
     summed: bool = False
     owned: bool = False
+    copies: int = 0
+    sent_copies: int = 0
+    padding: int = 0
 
 
-def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int) -> BucketBytes:
-    """The bytes ``rank`` handles in ``bucket``'s step, from the step's own layout functions."""
+def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
+                 transposed: Optional[dict] = None) -> BucketBytes:
+    """The bytes ``rank`` handles in ``bucket``'s step, from the step's own layout functions.
+
+    ``transposed``: ``{path: bool}``, how gradients arrive where known
+    (:attr:`~mlx_fsdp.plan_memory.shapes.Array.transposed`).
+    """
     itemsize = getattr(mx, bucket.dtype).size
     param_dtype = getattr(mx, bucket.param_dtype)
     mine = {s.index: a for s, a in layout.held_of(bucket, arrays, rank)}
     held = sum(a.size for a in mine.values()) * itemsize
+    # Copied unless the order fits how it arrives: column order (mlx_fsdp.flat)
+    # a transposed view, row order a row-major gradient.
+    # (fully_shard's rows buckets flatten each rank's rows, in the order the
+    # gradient arrives: counted in mlx_fsdp.plan_memory.fully.)
+    copied = [s for s in bucket.slots if not bucket.by_rows and len(s.shape) >= 2
+              and (transposed or {}).get(s.path) is not (s.order == "F")]
+    copies = sum(s.size for s in copied) * itemsize
+    # The two-rank exchange flattens what it sends, and of a flat bucket what
+    # this rank adds to it too; an owner's own arrays stay shaped.
+    sides = [(layout.held_range(bucket, s, 1 - rank) is not None)
+             + (not bucket.owned and layout.held_range(bucket, s, rank) is not None)
+             for s in copied] if world_size == 2 else []
+    exchanged = sum(n * s.size for n, s in zip(sides, copied)) * itemsize
     if bucket.summed(world_size):
         size = summed.elements(bucket)
         # The gather's input: this rank's arrays and -0.0 for the others'
         # (none beyond the array itself where it owns them all).
         sent = 0 if held == size * itemsize else size * param_dtype.size
         return BucketBytes(vector=size * itemsize, shard=held, held=held, packed=sent,
-                           gathered=size * param_dtype.size, summed=True, owned=True)
+                           gathered=size * param_dtype.size, summed=True, owned=True,
+                           copies=copies, sent_copies=copies)  # never exchanged
     parts = layout.held_parts(bucket, mine, rank)
+    zeros = 0 if bucket.by_rows else bucket.padding(world_size) * itemsize
     return BucketBytes(
         vector=bucket.nbytes(world_size), shard=bucket.cols * itemsize,
         held=held,
         packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
         gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
-    )
+        copies=copies + zeros, sent_copies=exchanged + zeros,
+        padding=bucket.padding(world_size) * param_dtype.size)
 
 
 def _fsdp_state(
@@ -95,6 +132,7 @@ def _fsdp_state(
     communication_size: int,
     placement=None,
     master_dtype: Optional[mx.Dtype] = None,
+    transposed: Optional[dict] = None,
 ) -> Dict[str, object]:
     """The arrays rank ``rank`` of ``fsdp_step`` keeps, built lazily.
 
@@ -114,6 +152,8 @@ def _fsdp_state(
         communication_size (int): The bucket byte budget.
         placement (optional): As ``fsdp_step``'s ``placement``. Default: ``None``.
         master_dtype (Dtype, optional): As ``fsdp_step``'s. Default: ``None``.
+        transposed (dict, optional): ``{path: bool}``: how each gradient
+            arrives, where known (see :func:`bucket_bytes`). Default: ``None``.
 
     Returns:
         dict: ``"optimizer"``: the optimizer's state tree (as
@@ -132,6 +172,7 @@ def _fsdp_state(
                     placement)
     init_held(plan, optimizer, arrays, rank, masters, master_dtype)
     gradient = {s.path: a for b in plan.buckets for s, a in layout.held_of(b, arrays, rank)}
-    buckets: List[BucketBytes] = [bucket_bytes(b, arrays, world_size, rank) for b in plan.buckets]
+    buckets: List[BucketBytes] = [bucket_bytes(b, arrays, world_size, rank, transposed)
+                                  for b in plan.buckets]
     return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
             "buckets": buckets}
