@@ -84,8 +84,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     (its packed shard and vector) and another bucket's gathered vector meet
     it (MPI N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the
     count without that vector). The pacing chains' one-element arrays and
-    :data:`SMALL_ARRAYS` are counted in every phase. Elsewhere (a GPU, unpaced) the temporaries meet
-    the fuller buffers, with the largest bucket's vector packed ahead.
+    :data:`SMALL_ARRAYS` are counted in every phase. Elsewhere (a GPU,
+    unpaced) the temporaries meet the fuller buffers, with the largest
+    bucket's vector packed ahead.
     Measured: docs/memory-planner.md, "The update waits for the last
     bucket's token".
     """
