@@ -9,11 +9,10 @@ optimizer builds on those arrays (for FSDP, on this rank's pieces; see
 What is counted, per rank (all ranks hold the whole model under ``ddp``
 and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 
-* **parameters** (under ``fsdp``, with the padding of the gathered vectors
-  they are views of) and **gradients** (the tree the caller holds, in the
-  parameters' dtype; none for a quantized layer, one with an integer
-  ``weight``, frozen whole as MLX freezes it, nor a frozen array, a LoRA
-  base: :mod:`mlx_fsdp.plan_memory.lora`);
+* **parameters** (``fsdp``: with their gathered vectors' padding) and
+  **gradients** (the tree the caller holds, in the parameters' dtype; none
+  for a quantized layer, frozen whole as MLX freezes it, nor a frozen
+  array, a LoRA base: :mod:`mlx_fsdp.plan_memory.lora`);
 * **accumulation**: with gradient accumulation, the running sum: the whole
   gradient (``"local"``) or this rank's reduced pieces (``"sharded"``,
   FSDP only);
@@ -95,7 +94,8 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-               master_dtype: Optional[mx.Dtype], accumulation: str, device="cpu") -> RankMemory:
+               master_dtype: Optional[mx.Dtype], accumulation: str,
+               device: str = "cpu") -> RankMemory:
     """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))

@@ -96,8 +96,9 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
     # a transposed view, row order a row-major gradient.
     # (fully_shard's rows buckets flatten each rank's rows, in the order the
     # gradient arrives: counted in mlx_fsdp.plan_memory.fully.)
+    kinds = transposed or {}
     copied = [s for s in bucket.slots if not bucket.by_rows and len(s.shape) >= 2
-              and (transposed or {}).get(s.path) is not (s.order == "F")]
+              and kinds.get(s.path) is not (s.order == "F")]
     copies = sum(s.size for s in copied) * itemsize
     # The two-rank exchange flattens what it sends, and of a flat bucket what
     # this rank adds to it too; an owner's own arrays stay shaped.
