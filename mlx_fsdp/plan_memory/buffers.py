@@ -19,8 +19,8 @@ phases can be the fullest:
 
 * **reducing** a bucket: what every other bucket keeps, plus this bucket's
   (on the CPU, and the buckets after it that MLX's run-ahead reaches)
-  input and output (half the vector sent and half received under
-  ``exchange``; under ``all_sum`` the vector alone, which the all-sum
+  input and output (under ``exchange`` the half sent and the whole vector
+  its all-gather returns; under ``all_sum`` the vector alone, which the all-sum
   overwrites, as MLX's all-sum does with an input nothing else holds; the
   vector and the shard with a native reduce-scatter);
 * **gathering** the fullest bucket: what every bucket keeps, plus the
@@ -103,14 +103,18 @@ def resolve_reduce_scatter(method: Optional[str], world_size: int) -> str:
 def reduce_buffers(bucket: BucketBytes, method: str) -> int:
     """The input and output buffers of one bucket's reduce-scatter, in bytes.
 
-    The vector and the shard (``native``), half the vector sent and half
-    received (``exchange``), or the vector (``all_sum``): MLX's all-sum
-    writes into its input where nothing else holds it (``AllReduce::eval_cpu``),
-    as nothing does the packed vector (a lone array's vector is its
-    gradient, and there the output is new). At MPI N=4 (``bench_fsdp_phases.py
-    --hidden 256``, 2026-11-27) the MLP 4 x 256's step with SGD peaked at
-    3.51 MiB, 1.25 MiB above its parameters, gradients and state: one
-    vector and the copy of the shard. Beside them, what packing copies
+    The vector and the shard (``native``); the peer's half, packed, and the
+    whole vector the exchange's all-gather returns (``exchange``: one
+    array's half alone is sent as it is, a view); or the vector
+    (``all_sum``): MLX's all-sum writes into its input where nothing else
+    holds it (``AllReduce::eval_cpu``), as nothing does the packed vector (a
+    lone array's vector is its gradient, and there the output is new). At
+    MPI N=4 (``bench_fsdp_phases.py --hidden 256``, 2026-11-27) the MLP 4 x
+    256's step with SGD peaked at 3.51 MiB, 1.25 MiB above its parameters,
+    gradients and state: one vector and the copy of the shard. At ring N=2
+    with 2 MiB buckets (2026-11-28) the MLP 4 x 512's step with SGD held its
+    four buckets' vectors, sent halves and sums at once: 18.04 MiB, against
+    16.09 counted without the sent halves. Beside them, what packing copies
     (:attr:`~mlx_fsdp.plan_memory.sharding.BucketBytes.copies`): at MPI N=4
     (2026-11-28) the step with Adafactor on mlx-lm's Llama 8 x 128, its
     matrices in two owner buckets, held both vectors, their padding's zeros,
@@ -122,7 +126,10 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
         return 2 * bucket.vector + bucket.copies  # not measured apart since the donation
     if method == "native":
         return bucket.vector + bucket.shard + bucket.copies
-    return bucket.vector + (bucket.sent_copies if method == "exchange" else bucket.copies)
+    if method == "exchange":
+        sent = bucket.shard if bucket.slots > 1 or bucket.padding else 0
+        return bucket.vector + sent + bucket.sent_copies
+    return bucket.vector + bucket.copies
 
 
 def fsdp_phases(buckets: Sequence[BucketBytes], method: str,

@@ -40,6 +40,9 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
 #: SGD, 2026-11-27): the step held every bucket's vector and shard at once,
 #: 1.25 MiB above its parameters, gradients and state; with 16 layers, the
 #: vectors of about seven of its 16 weight buckets, between bias buckets.
+#: At ring N=2 with 2 MiB buckets the MLP 4 x 512 held all four buckets' at
+#: once; mlx-lm's Llama 4 x 256, whose four 4 MiB buckets hold 5 to 14
+#: arrays each, fewer than four, which this over-counts (2026-11-28).
 REDUCES_AHEAD = IN_FLIGHT_OPS // 2
 
 #: What the count of an ``fsdp_step``'s buffers leaves out, in bytes: the
@@ -77,8 +80,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     gathering phase alone, and the reducing phase counts no temporaries:
     ``buffers`` holds the buckets the run-ahead reduces at once
     (:data:`REDUCES_AHEAD`). Where the gathers wait too, the update is a
-    phase of its own, and the gathering phase meets only what the main
-    thread queues ahead of the next update. With one bucket nothing of the
+    phase of its own, and the gathering phase meets the next updates, those
+    the main thread queued ahead and those under way. With one bucket nothing of the
     gather exists during the update; past one, a gather waits for its own
     bucket's update but the next update not for it, so one bucket's gather
     (its packed shard and vector) and another bucket's gathered vector meet
@@ -106,13 +109,17 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + temporaries.ahead)
+                            temporaries=chains + temporaries.together)
         gather = fullest.packed + fullest.gathered if many else 0
         # The main thread runs ahead of the worker while the worker waits in
-        # a collective, so what it queues ahead meets the gathers (above);
-        # between them the update holds what is under way (2026-11-27: the
-        # 258 points of "Margin", the MLP at MPI N=4 with 64 KiB buckets
-        # within 568-696 bytes).
+        # a collective, so what it queues ahead meets the gathers (above),
+        # beside the updates under way: MLX's graph order interleaves
+        # independent updates of several buckets (mlx-lm's Llama 4 x 256
+        # with Lion and 1 MiB buckets at ring N=2: 48.23 MiB, 44.22 with
+        # MLX_BFS_MAX_WIDTH=1). Counted with the queued ones alone, ring
+        # N=2 with 1 and 2 MiB buckets measured up to 8% above the plan (the
+        # MLP 4 x 512 with AdamW: 21.54 MiB against 19.93; 2026-11-28).
+        # Between the gathers the update holds what is under way.
         # The second vector is another bucket's: counting the fullest twice,
         # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).

@@ -67,6 +67,8 @@ class BucketBytes(NamedTuple):
         padding (int): The gathered vector's padding in the parameters'
             dtype: the new parameters are views of that vector, so the
             model keeps it from the first step on.
+        slots (int): Its arrays; each adds operations to its reduce-scatter
+            (:func:`mlx_fsdp.plan_memory.buffers.reduce_ops`).
     """
 
     vector: int
@@ -79,6 +81,7 @@ class BucketBytes(NamedTuple):
     copies: int = 0
     sent_copies: int = 0
     padding: int = 0
+    slots: int = 1
 
 
 def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
@@ -113,7 +116,8 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         sent = 0 if held == size * itemsize else size * param_dtype.size
         return BucketBytes(vector=size * itemsize, shard=held, held=held, packed=sent,
                            gathered=size * param_dtype.size, summed=True, owned=True,
-                           copies=copies, sent_copies=copies)  # never exchanged
+                           copies=copies, sent_copies=copies,  # never exchanged
+                           slots=len(bucket.slots))
     parts = layout.held_parts(bucket, mine, rank)
     zeros = 0 if bucket.by_rows else bucket.padding(world_size) * itemsize
     return BucketBytes(
@@ -122,7 +126,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
         gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
         copies=copies + zeros, sent_copies=exchanged + zeros,
-        padding=bucket.padding(world_size) * param_dtype.size)
+        padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots))
 
 
 def _fsdp_state(
