@@ -113,6 +113,11 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
         sums, finish = accumulate.add(state, list(held.items()), k, traced)
         held = dict(zip(held, sums))
         if finish is False:
+            # The sums need only the collectives of what this rank holds, and
+            # a bucket kept whole by another rank leaves none here: the counter
+            # carries the chain's end, so that every rank runs every collective
+            # now (owner placement, ring N=2: the ranks fell out of step).
+            state["micro_step"], = order.after([state["micro_step"]], eager=True)
             return None, None, plan
     # The last bucket's token is a lazy slice of the buffers it followed (the
     # exchange's whole received vector, an all-sum's total); evaluated only

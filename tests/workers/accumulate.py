@@ -28,6 +28,11 @@ runs = {
     "fsdp_local": mlx_fsdp.fsdp_step(OPTIMIZERS["adamw"](), max_norm=0.5, grad_accumulation_steps=K),
     "fsdp_sharded": mlx_fsdp.fsdp_step(OPTIMIZERS["adamw"](), max_norm=0.5, grad_accumulation_steps=K,
                                        accumulation="sharded", communication_size=300),
+    # Whole arrays on owner ranks, one per bucket: each rank holds nothing of
+    # the other ranks' buckets, whose collectives it must run all the same.
+    "fsdp_sharded_owner": mlx_fsdp.fsdp_step(OPTIMIZERS["adamw"](), max_norm=0.5,
+                                             grad_accumulation_steps=K, accumulation="sharded",
+                                             placement="owner", communication_size=300),
     "ddp_local": mlx_fsdp.ddp_step(OPTIMIZERS["adamw"](), max_norm=0.5, grad_accumulation_steps=K),
 }
 models = {name: make_model(bf16=False) for name in runs}
