@@ -67,8 +67,9 @@ class BucketBytes(NamedTuple):
         padding (int): The gathered vector's padding in the parameters'
             dtype: the new parameters are views of that vector, so the
             model keeps it from the first step on.
-        slots (int): Its arrays; each adds operations to its reduce-scatter
-            (:func:`mlx_fsdp.plan_memory.buffers.reduce_ops`).
+        slots (int): Its arrays: the two-rank exchange packs the half it
+            sends into a vector of its own unless it is one array's
+            (:func:`mlx_fsdp.plan_memory.buffers.reduce_buffers`).
     """
 
     vector: int
