@@ -108,18 +108,21 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
+        unordered = min(max(temporaries.side, temporaries.interleaved) + temporaries.ahead,
+                        temporaries.most)
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + temporaries.together)
+                            temporaries=chains + unordered)
         gather = fullest.packed + fullest.gathered if many else 0
         # The main thread runs ahead of the worker while the worker waits in
         # a collective, so what it queues ahead meets the gathers (above),
         # beside the updates under way: MLX's graph order interleaves
         # independent updates of several buckets (mlx-lm's Llama 4 x 256
         # with Lion and 1 MiB buckets at ring N=2: 48.23 MiB, 44.22 with
-        # MLX_BFS_MAX_WIDTH=1). Counted with the queued ones alone, ring
-        # N=2 with 1 and 2 MiB buckets measured up to 8% above the plan (the
-        # MLP 4 x 512 with AdamW: 21.54 MiB against 19.93; 2026-11-28).
-        # Between the gathers the update holds what is under way.
+        # MLX_BFS_MAX_WIDTH=1), as many as its width allows with small
+        # buckets (transient.INTERLEAVED). Counted with the queued ones
+        # alone, ring N=2 with 1 and 2 MiB buckets measured up to 8% above
+        # the plan (the MLP 4 x 512 with AdamW: 21.54 MiB against 19.93;
+        # 2026-11-28). Between the gathers the update holds what is under way.
         # The second vector is another bucket's: counting the fullest twice,
         # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).

@@ -7,8 +7,7 @@ because the caller still holds it, ``sqrt(v)``; Muon's Newton-Schulz
 products ``X X^T`` (``k x k``, ``k = min(rows, cols)``) and ``B X``; with
 master copies, the float32 copy of the gradient and the new parameter cast
 back. MLX reuses an input's buffer where nothing else holds it, so the rest
-costs nothing. Per optimizer, :data:`PROFILES` gives, in elements of the
-step's dtype:
+costs nothing. Per optimizer, :data:`PROFILES` gives, in elements of the step's dtype:
 
 * ``total``: everything one update allocates (its new values included),
   measured with the worker held back so that nothing is freed before the
@@ -16,10 +15,9 @@ step's dtype:
 * ``live``: the most of it alive at once when MLX runs it alone with a
   1-byte memory limit, which makes it free each buffer before queuing more;
 * ``ops``: the operations of one update (nodes of ``mx.export_to_dot``);
-* ``kernels``: the same, compiled as :mod:`mlx_fsdp.fused` compiles it
-  (the element-wise chain fuses into one or two kernels; reductions and
-  matmuls stay apart). Counted on the CPU; a GPU's compiled graph is
-  assumed to fuse alike (``mx.compile``'s fusion runs before the backend).
+* ``kernels``: the same, compiled as :mod:`mlx_fsdp.fused` compiles it (the
+  element-wise chain fuses into one or two kernels), counted on the CPU; a
+  GPU's is assumed alike (``mx.compile`` fuses before the backend).
 
 ``tests/test_plan_memory.py`` holds ``ops`` and ``kernels`` to the nodes of
 MLX's own graph of one update; the grid of ``bench_plan_memory.py`` holds
@@ -41,31 +39,29 @@ How many updates overlap (:func:`in_flight`): MLX orders a graph
 breadth-first at most ``MLX_BFS_MAX_WIDTH`` (20) nodes wide, and an
 update runs three or four independent chains (the moments, the parameter),
 so about :data:`CHAINS` updates are under way at once, each holding its
-``live`` bytes; and on top of that the main thread queues up to
+``live`` bytes (:data:`INTERLEAVED` where nothing orders many small
+updates); and on top of that the main thread queues up to
 :data:`IN_FLIGHT_OPS` operations ahead of the worker, allocating their
 outputs when it queues them, so the ``total`` of the updates those
 operations belong to (largest first, a fraction of the last) can be alive
-too. Both constants are CPU measurements (mlx 0.32.4: ``10`` scheduler
-tasks of ``10`` dispatches, two dispatches per operation), and an update
-compiled on a GPU, measured below, stays within them.
+too. Both are CPU measurements (mlx 0.32.4: ``10`` scheduler tasks of
+``10`` dispatches, two per operation); a GPU's compiled update stays within them.
 
 An eager update on a GPU runs ahead further: MLX frees a GPU array's
 buffer only once the command buffer that used it has finished, and the
 main thread waits for the GPU only when more than 10 command buffers are
 under way; so the outputs of about :data:`GPU_IN_FLIGHT_OPS` operations
 can be alive at once. On one H100 (mlx-cuda 0.32.4, 2026-11-27,
-``bench_plan_memory.py --hidden 256`` at N=2 and N=4), ``ddp_step`` with
-AdamW, Adam, Lion and Adafactor peaked at up to 1.32x the plan with the
-CPU's window and at 0.75-0.95x the plan with this one; ``fsdp_step``,
-whose update is compiled there, at 0.59-0.95x the plan with the CPU's
-window. ``ddp_step`` compiles its update there too (since 2026-11-27, so
-that it rounds as ``fsdp_step`` does). Compiled, one array's update is 2
-to 40 kernels (``Profile.kernels``) rather than its eager 7 to 68
-operations, so the command buffers hold the updates of more arrays at once:
-planned as eager, the GPT with Adafactor peaked at 1.046x (the same H100,
-2026-11-27, N=2 and N=4), and planned over 240 of its kernels, its 12
-points at 0.27-0.86x. ``fsdp_step``'s compiled update on its pieces,
-between the reduce-scatters, stays within the CPU's window there.
+``bench_plan_memory.py --hidden 256``, N=2 and 4), ``ddp_step`` with AdamW,
+Adam, Lion and Adafactor peaked at up to 1.32x the plan with the CPU's
+window, 0.75-0.95x with this one; ``fsdp_step``, whose update is compiled
+there, at 0.59-0.95x with the CPU's. ``ddp_step`` compiles its update
+there too. Compiled, an array's update is 2 to 40 kernels
+(``Profile.kernels``), not 7 to 68 operations, so the command buffers
+hold more arrays' updates: planned as eager, the GPT with Adafactor peaked
+at 1.046x (the same H100, N=2 and 4), over 240 of its kernels its 12
+points at 0.27-0.86x. ``fsdp_step``'s compiled update on its pieces stays
+within the CPU's window there.
 """
 
 import math
@@ -84,13 +80,14 @@ IN_FLIGHT_OPS = 50
 #: operations each on CUDA (``MLX_MAX_OPS_PER_BUFFER``; assumed on Metal).
 GPU_IN_FLIGHT_OPS = 12 * 20
 
-#: Bytes of one operation's scalar output (Adafactor's norms and rates).
-SCALAR_BYTES = 4
+SCALAR_BYTES = 4  #: Bytes of one operation's scalar output (Adafactor's norms and rates).
 
-#: Updates under way at once, each holding its ``live`` bytes: fitted to
-#: ``benchmarks/bench_plan_memory.py`` on the CPU (the BFS width over an
-#: update's three chains, 7, over-predicted every point by 1.2-1.9x).
-CHAINS = 2
+#: Updates under way at once, each holding its ``live`` bytes: fitted on the
+#: CPU (the BFS width over an update's three chains, 7, over-predicted the
+#: grid by 1.2-1.9x); that width where nothing orders many small updates
+#: (``fsdp_step``'s, between waiting gathers: the MLP 16 x 256 with Lion in
+#: 256 KiB buckets at ring N=2, 15.69 MiB, 15.38 counted with two, 2026-11-28).
+CHAINS, INTERLEAVED = 2, 7
 
 
 class Profile(NamedTuple):
@@ -144,11 +141,13 @@ class Temporaries(NamedTuple):
     """Bytes the updates under way hold (``side``: :func:`in_flight`'s chains and
     any workspace), those queued ahead of them (``ahead``), and what every update
     allocates in all (``most``: totals, workspace, :data:`SCALAR_BYTES` per
-    operation), which no overlap of them can exceed."""
+    operation), which no overlap of them can exceed; ``interleaved``: ``side``
+    over :data:`INTERLEAVED` updates."""
 
     side: int
     ahead: int
     most: int
+    interleaved: int = 0
 
     @property
     def together(self) -> int:
@@ -297,4 +296,5 @@ def temporaries_apart(optimizer: str, pieces: Sequence[Tuple[str, object]], mast
     chains, ahead = in_flight(updates, window)
     workspace = matmul_workspace(optimizer, device)
     most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
-    return Temporaries(chains + workspace, ahead, most)
+    wide = sum(sorted((u.live for u in updates), reverse=True)[:INTERLEAVED])
+    return Temporaries(chains + workspace, ahead, most, wide + workspace)
