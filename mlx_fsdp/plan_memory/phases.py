@@ -108,10 +108,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
-        unordered = min(max(temporaries.side, temporaries.interleaved) + temporaries.ahead,
-                        temporaries.most)
+        wide = temporaries._replace(side=max(temporaries.side, temporaries.interleaved))
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + unordered)
+                            temporaries=chains + wide.together)
         gather = fullest.packed + fullest.gathered if many else 0
         # The main thread runs ahead of the worker while the worker waits in
         # a collective, so what it queues ahead meets the gathers (above),
