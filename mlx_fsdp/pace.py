@@ -19,12 +19,16 @@ it consumed. It is used where a fully sharded module's gather waits for the
 module's inputs, where its reduce-scatter's first bucket waits for its
 gradients and each later bucket for the one before, and where the layers
 before it wait for its reduce-scatter
-(:mod:`mlx_fsdp.fully_sharded.gather`), and where the step's update waits
-for its gradients and each flat bucket's all-gather for its update
-(:mod:`mlx_fsdp.step`): with SGD on ``bench_plan_memory.py``'s MLP 4 x 512
-at ring N=2 the step's peak fell from 24.1 to 18.5 MiB once the gathers
-waited (2026-11-27), and ``bench_pace.py --modes fsdp`` (MLP 4 x 2048,
-AdamW) read 320.3 MiB paced, unpaced alike, before and 296.3 since.
+(:mod:`mlx_fsdp.fully_sharded.gather`), and where the step's
+reduce-scatters wait each for the one before, its update for its gradients
+and each flat bucket's all-gather for its update (:mod:`mlx_fsdp.step`):
+with SGD on ``bench_plan_memory.py``'s MLP 4 x 512 at ring N=2 the step's
+peak fell from 24.1 to 18.5 MiB once the gathers waited (2026-11-27), and
+``bench_pace.py --modes fsdp`` (MLP 4 x 2048, AdamW) read 320.3 MiB paced,
+unpaced alike, before and 296.3 since; with 2 MiB buckets (a layer each)
+it fell from 18.04 to 14.03 MiB once the reduce-scatters waited, and
+``bench_pace.py --modes fsdp`` read 312.3 MiB unpaced and 288.3 paced, at
+0.989x the unpaced step's time (2026-11-28).
 
 Measured on the MLP of ``bench_step.py`` (4 layers of 2048 x 2048, AdamW,
 batch 8, ring N=2, mlx 0.32.4, 2026-11-26): the fully sharded step's peak,

@@ -96,7 +96,13 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
     held = {}  # path -> summed gradient of what this rank holds of it
     averaged = set()  # paths whose gradient the model averaged over the group
     mine = []
-    for bucket in reversed(plan.buckets):
+    for i, bucket in enumerate(reversed(plan.buckets)):
+        if i and pace.pacing():
+            # On the CPU, this bucket's buffers only once the last one's are
+            # freed: run ahead, MLX packed and reduced up to every bucket at
+            # once (the MLP 4 x 512 with SGD in 2 MiB buckets, ring N=2:
+            # 18.04 MiB, 14.03 paced; see mlx_fsdp.pace).
+            order.follow(pace.paced(order.last(), traced)[0])
         if bucket.sharded_params:
             mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
                                               opts.dp_group, order=order, stream=stream)

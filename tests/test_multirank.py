@@ -130,6 +130,21 @@ def test_state_and_peak_memory_below_ddp_at_n2():
     assert r["fsdp_peak"] < r["ddp_peak"], r
 
 
+@pytest.mark.parametrize("n, hidden, layers, size", [(2, 512, 4, 2 * 2**20),
+                                                      (3, 256, 16, 2**18)])
+def test_fsdp_step_reduces_one_bucket_at_a_time_on_the_cpu(n, hidden, layers, size):
+    # A layer per bucket, SGD, the gradients evaluated first. Each bucket's
+    # reduce-scatter waits for the one before to finish (mlx_fsdp.pace); run
+    # ahead, MLX packed and reduced every bucket at once: 8.0 layers above
+    # the start at ring N=2 (4 x 512), 9.1-9.4 at MPI N=3 (16 x 256, biases
+    # in buckets of their own). Paced, what every bucket keeps (1/N of the
+    # gradients) and one bucket's buffers: 3.5 and 6.4 (mlx 0.32.4, 2026-11-28).
+    (r,) = run_ranks(n, "reduce_ahead.py", [hidden, layers, size])
+    assert r["buckets"] >= layers, r
+    one_bucket = 1.5 if n == 2 else 1.0  # the exchange's sent half and vector; the all-sum's
+    assert r["most"] <= (layers / n + one_bucket + 0.5) * r["layer"], r
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_nothing_outlives_the_model_and_optimizer(n):
     # The step keeps a token of its last collective for the group's next

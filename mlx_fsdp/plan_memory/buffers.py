@@ -18,11 +18,12 @@ starts, which frees the rest, and lives until that bucket's update. Two
 phases can be the fullest:
 
 * **reducing** a bucket: what every other bucket keeps, plus this bucket's
-  (on the CPU, and the buckets after it that MLX's run-ahead reaches)
   input and output (under ``exchange`` the half sent and the whole vector
-  its all-gather returns; under ``all_sum`` the vector alone, which the all-sum
-  overwrites, as MLX's all-sum does with an input nothing else holds; the
-  vector and the shard with a native reduce-scatter);
+  its all-gather returns; under ``all_sum`` the vector alone, which the
+  all-sum overwrites, as MLX's all-sum does with an input nothing else
+  holds; the vector and the shard with a native reduce-scatter), and, on
+  an unpaced CPU (``pace.QUEUE_DEPTH`` 0), those of the buckets after it
+  that MLX's run-ahead reaches;
 * **gathering** the fullest bucket: what every bucket keeps, plus the
   bucket's **updated pieces**, the **shard** they are packed into for the
   all-gather (none where the shard is one piece) and the **gathered
@@ -179,8 +180,8 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
         buckets (list[BucketBytes]): The rank's bytes of every bucket.
         method (str): ``"native"``, ``"exchange"`` or ``"all_sum"``.
         ahead (int): Consecutive buckets whose reduce-scatter buffers are
-            alive at once (:data:`mlx_fsdp.plan_memory.phases.REDUCES_AHEAD`
-            on the CPU). Default: ``1``.
+            alive at once (:func:`mlx_fsdp.plan_memory.phases.reduces_ahead`).
+            Default: ``1``.
 
     Returns:
         tuple: Bytes; ``((0, 0), (0, 0))`` without buckets.

@@ -32,18 +32,19 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
 
-#: Buckets whose reduce-scatter buffers can be alive at once on the CPU: the
-#: main thread allocates each operation's output as it queues it, up to
+#: Buckets whose reduce-scatter buffers can be alive at once on an unpaced
+#: CPU (``pace.QUEUE_DEPTH`` 0): the main thread allocates each operation's
+#: output as it queues it, up to
 #: :data:`~mlx_fsdp.plan_memory.transient.IN_FLIGHT_OPS` ahead of the worker,
 #: and a bucket's reduce-scatter is at least two of them (the packing and
-#: the collective). Measured (MPI N=4, 64 KiB buckets, the MLP 4 x 256 with
-#: SGD, 2026-11-27): the step held every bucket's vector and shard at once,
-#: 1.25 MiB above its parameters, gradients and state; with 16 layers, the
-#: vectors of about seven of its 16 weight buckets, between bias buckets.
-#: At ring N=2 with 2 MiB buckets the MLP 4 x 512 held all four buckets' at
-#: once; mlx-lm's Llama 4 x 256, whose four 4 MiB buckets hold 5 to 14
-#: arrays each, fewer than four, which this over-counts (2026-11-28).
-REDUCES_AHEAD = IN_FLIGHT_OPS // 2
+#: the collective). Measured unpaced (MPI N=4, 64 KiB buckets, the MLP 4 x
+#: 256 with SGD, 2026-11-27): the step held every bucket's vector and shard
+#: at once; at ring N=2 with 2 MiB buckets the MLP 4 x 512 held all four
+#: buckets' (2026-11-28). Paced, as by default, each bucket's reduce-scatter
+#: waits for the one before to finish (:mod:`mlx_fsdp.step`), and one
+#: bucket's buffers are counted: that MLP then held one (14.03 MiB, 18.04
+#: before; tests/test_multirank.py).
+UNPACED_REDUCES_AHEAD = IN_FLIGHT_OPS // 2
 
 #: What the count of an ``fsdp_step``'s buffers leaves out, in bytes: the
 #: step's small arrays (the tokens that chain its collectives, the pieces
@@ -54,8 +55,10 @@ SMALL_ARRAYS = 64 * 1024
 
 
 def reduces_ahead(device: str) -> int:
-    """:data:`REDUCES_AHEAD` on the CPU; one bucket elsewhere (not measured)."""
-    return REDUCES_AHEAD if device == "cpu" else 1
+    """Buckets whose reduce-scatter buffers are counted at once: one where each
+    waits for the one before (the CPU, paced) and on a GPU (not measured);
+    :data:`UNPACED_REDUCES_AHEAD` on an unpaced CPU."""
+    return UNPACED_REDUCES_AHEAD if device == "cpu" and not pace.QUEUE_DEPTH else 1
 
 
 def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: int,
@@ -78,8 +81,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
     gathering phase alone, and the reducing phase counts no temporaries:
-    ``buffers`` holds the buckets the run-ahead reduces at once
-    (:data:`REDUCES_AHEAD`). Where the gathers wait too, the update is a
+    ``buffers`` holds the buckets reduced at once (:func:`reduces_ahead`). Where the gathers wait too, the update is a
     phase of its own, and the gathering phase meets the next updates, those
     the main thread queued ahead and those under way. With one bucket
     nothing of the gather exists during the update; past one, a gather

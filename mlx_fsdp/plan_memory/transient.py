@@ -26,10 +26,12 @@ the sum. One update alone, with the caller holding the old parameter
 elements per element (one limited to a 1-byte memory limit in brackets):
 AdamW 5 (3), Adam 4 (2), SGD 1 (1), Lion 4 (3), Adafactor on a matrix 5
 (3); compiled as ``fsdp_step`` runs it on a GPU (:mod:`mlx_fsdp.fused`):
-3, 3, 2, 2, 5. So AdamW's and Lion's totals and lives, and SGD's compiled
-total, are above their profiles: the model's margin comes from counting
-the largest updates twice (:func:`in_flight`; in ``fsdp_step``'s phases at
-most all updates' totals, :class:`Temporaries`), not from each profile.
+3, 3, 2, 2, 5. AdamW's total and live and SGD's compiled total are above
+their profiles: the margin comes from counting the largest updates twice
+(:func:`in_flight`; in ``fsdp_step``'s phases at most all updates' totals),
+not from each profile. Lion's live, 2 until the reduce-scatters were no
+longer counted all at once, measured above the plan (mlx-lm's Llama 4 x
+256, 0.5 MiB buckets, ring N=2: 46.80 MiB, 45.42 counted; 2026-11-28).
 Through a float32 master a bfloat16 parameter's update peaked 0.5 float32
 elements per element above the float32 update (its new bfloat16 value),
 within 0.5 of it under the limit (2026-11-26): the gradient's float32 copy
@@ -44,8 +46,7 @@ updates); and on top of that the main thread queues up to
 :data:`IN_FLIGHT_OPS` operations ahead of the worker, allocating their
 outputs when it queues them, so the ``total`` of the updates those
 operations belong to (largest first, a fraction of the last) can be alive
-too. Both are CPU measurements (mlx 0.32.4: ``10`` scheduler tasks of
-``10`` dispatches, two per operation); a GPU's compiled update stays within them.
+too. Both measured on the CPU (mlx 0.32.4); a GPU's compiled update stays within them.
 
 An eager update on a GPU runs ahead further: MLX frees a GPU array's
 buffer only once the command buffer that used it has finished, and the
@@ -56,12 +57,11 @@ can be alive at once. On one H100 (mlx-cuda 0.32.4, 2026-11-27,
 Adam, Lion and Adafactor peaked at up to 1.32x the plan with the CPU's
 window, 0.75-0.95x with this one; ``fsdp_step``, whose update is compiled
 there, at 0.59-0.95x with the CPU's. ``ddp_step`` compiles its update
-there too. Compiled, an array's update is 2 to 40 kernels
-(``Profile.kernels``), not 7 to 68 operations, so the command buffers
-hold more arrays' updates: planned as eager, the GPT with Adafactor peaked
-at 1.046x (the same H100, N=2 and 4), over 240 of its kernels its 12
-points at 0.27-0.86x. ``fsdp_step``'s compiled update on its pieces stays
-within the CPU's window there.
+there too: 2 to 40 kernels an array (``Profile.kernels``), not 7 to 68
+operations, so the command buffers hold more arrays' updates: planned as
+eager, the GPT with Adafactor peaked at 1.046x (the same H100, N=2 and 4),
+over 240 of its kernels at 0.27-0.86x. ``fsdp_step``'s compiled update on
+its pieces stays within the CPU's window there.
 """
 
 import math
@@ -69,9 +69,10 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 from .optimizers import muon_filter
 
-#: Operations the CPU scheduler keeps queued ahead of the worker, measured:
-#: independent products of a held array, each followed by a sum that frees
-#: it, left 25 products allocated at once whatever their number (50 ops).
+#: Operations the CPU scheduler keeps queued ahead of the worker (``10`` tasks
+#: of ``10`` dispatches, two per operation), measured: independent products of
+#: a held array, each followed by a sum that frees it, left 25 products
+#: allocated at once whatever their number (50 ops).
 IN_FLIGHT_OPS = 50
 
 #: Operations an eager update on a GPU can have queued: MLX's main thread
@@ -120,13 +121,12 @@ PROFILES = {
     "adamw": Profile(4, 2, 23, 2),
     "adam": Profile(4, 2, 19, 2),
     "sgd": Profile(1, 1, 7, 2),
-    "lion": Profile(4, 2, 15, 3),
+    "lion": Profile(4, 3, 15, 3),
     "adafactor": Profile(5, 2, 37, 9),
 }
-#: Adafactor on a matrix: its factored statistics take more operations.
-ADAFACTOR_MATRIX = Profile(5, 3, 62, 22)
-#: Muon on a matrix: operations of five Newton-Schulz steps, eager and compiled.
-MUON_OPS, MUON_KERNELS = 68, 40
+#: Adafactor on a matrix (its factored statistics take more operations), and
+#: Muon's operations of five Newton-Schulz steps, eager and compiled.
+ADAFACTOR_MATRIX, MUON_OPS, MUON_KERNELS = Profile(5, 3, 62, 22), 68, 40
 #: With a master copy: the gradient cast up, the new parameter cast down
 #: (compiled, one more kernel is counted for them, not measured).
 MASTER_OPS = 2
