@@ -44,14 +44,12 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .phases import (fsdp_fullest, pass_spare, phases_apart, reduces_ahead,
-                     update_during_backward, with_pass)
-from .transient import temporaries, temporaries_apart
-from .buffers import (ddp_buffers, default_communication_size, default_device,
-                      fsdp_buffer_phases, resolve_reduce_scatter)
+from .phases import pass_spare, phases_apart, update_during_backward, with_pass
+from .transient import temporaries
+from .buffers import default_communication_size, default_device, resolve_reduce_scatter
 from .parts import RankMemory, tree_bytes
 from .shapes import Model
-from .sharding import _fsdp_state, plain_state
+from .wrappers import ddp_memory, fsdp_memory
 
 MODES = ("ddp", "fsdp", "fully_shard")
 ACCUMULATION = ("none", "local", "sharded")
@@ -93,60 +91,17 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
     return trainable, total
 
 
-def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-               master_dtype: Optional[mx.Dtype], accumulation: str,
-               device: str = "cpu") -> RankMemory:
-    """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
-    state = plain_state(optimizers.make(name), flat, master_dtype)
-    grads = tree_bytes(dict(flat))
-    comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
-    return RankMemory(
-        parameters=param_bytes, gradients=grads, accumulation=0 if accumulation == "none" else grads,
-        optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
-        communication=comm, new_parameters=new,
-        temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
-                                device, whole_arrays=True))
-
-
-def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
-                master_dtype: Optional[mx.Dtype], accumulation: str, reduce_scatter=None,
-                device: str = "cpu", compiled: bool = False,
-                transposed: Optional[dict] = None) -> List[RankMemory]:
-    """Every rank of ``fsdp_step``, in rank order (owners make them differ)."""
-    if world_size == 1:  # the plain optimizer, as in ddp_step
-        return [ddp_memory(name, flat, param_bytes, 1, communication_size,
-                           master_dtype, accumulation, device)]
-    method = resolve_reduce_scatter(reduce_scatter, world_size)
-    grads = tree_bytes(dict(flat))
-    out = []
-    for rank in range(world_size):
-        state = _fsdp_state(optimizers.make(name), flat, world_size, rank, communication_size,
-                            None, master_dtype, transposed)
-        pieces = tree_bytes(state["gradient"])
-        buckets = state["buckets"]
-        common = RankMemory(
-            parameters=param_bytes + sum(b.padding for b in buckets), gradients=grads,
-            accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
-            optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
-            communication=0, new_parameters=0)
-        temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
-                                  use_fused_updates(device), device)
-        waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method, reduces_ahead(device)),
-                                temps, pieces, buckets, device, waits, compiled))
-    return out
-
-
 def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
                  world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False, device: str = "cpu",
-                 activations: int = 0, compiled: bool = False, phases: bool = False) -> list:
+                 activations: int = 0, compiled: bool = False, phases: bool = False,
+                 budget: Optional[int] = None) -> list:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
     (a quantized layer's scales) included, which ``fully_shard`` shards too.
-    ``compiled``, ``phases``: see :func:`estimate_ranks`.
+    ``compiled``, ``phases``, ``budget``: see :func:`estimate_ranks`.
     """
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
@@ -162,6 +117,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
     out = []
     for rank in range(world_size) if owned or every_rank else [0]:
+        if budget is not None and out and not phases and out[-1].peak > budget:
+            break
         held = fully.rank_bytes(units, make_optimizer(), rank, master_dtype)
         grads = held["gradients"]
         common = dict(parameters=whole + held["parameters"], gradients=grads,
@@ -205,6 +162,7 @@ def estimate_ranks(
     activations: int = 0,
     compiled: bool = False,
     phases: bool = False,
+    budget: Optional[int] = None,
 ) -> list:
     """The bytes every rank holds in one configuration.
 
@@ -247,11 +205,15 @@ def estimate_ranks(
             the activations, the other with the temporaries
             (``benchmarks/bench_plan_phases.py`` measures them so), instead
             of the peak (on the CPU, the fuller of the two). Default: ``False``.
+        budget (int, optional): Bytes; stop at the first rank whose peak
+            exceeds them (``fsdp_step`` and ``fully_shard``): a search for
+            what fits needs no more. Default: ``None`` (every rank).
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
         ``fully_shard`` without owner-placed arrays: rank 0's, the fullest);
-        with ``phases``, a ``(backward, update)`` pair per rank.
+        with ``phases``, a ``(backward, update)`` pair per rank; with
+        ``budget``, up to the first rank above it.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}.")
@@ -262,18 +224,20 @@ def estimate_ranks(
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
     if not isinstance(activations, int) or activations < 0:
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
+    if budget is not None and (not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"budget={budget!r} must be a byte count >= 0, or None for every rank.")
     if phases and (mode != "fully_shard" or world_size == 1):
         raise ValueError(f"phases=True needs mode='fully_shard' at world_size > 1, not "
                          f"mode={mode!r} at world_size={world_size}: only there are the "
                          "two phases counted apart; drop phases or plan fully_shard.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-                  activations, compiled, phases)
+                  activations, compiled, phases, budget)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-           activations, compiled, phases=False):
+           activations, compiled, phases=False, budget=None):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
@@ -288,7 +252,7 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, device, compiled,
-                                {a.path: a.transposed for a in model.arrays})
+                                {a.path: a.transposed for a in model.arrays}, budget)
         return [with_pass(r, activations, mode, device, world_size) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
@@ -297,4 +261,4 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
                         reshard_after_forward, every_rank, device, activations, compiled,
-                        phases)
+                        phases, budget)

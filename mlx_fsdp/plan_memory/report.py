@@ -77,7 +77,9 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
                           "GiB on every rank, at any N")
     tried = [n for n in (1,) + SEARCH if n <= max_ranks]
     for n in tried:
-        ranks = estimate_ranks(model, optimizer, mode, n, activations=acts_at(n), **options)
+        # Up to the first rank above the memory: the others cannot make it fit.
+        ranks = estimate_ranks(model, optimizer, mode, n, activations=acts_at(n),
+                               budget=memory, **options)
         if max(r.peak for r in ranks) <= memory:
             return n, ""
         floor = max(r.gathered + r.full_gradients for r in ranks)
@@ -113,7 +115,7 @@ def largest_batch(model: Model, optimizer: str, mode: str, world_size: int, memo
     ``activations_of(batch)``: the activation bytes of a batch of that size.
     """
     def fits(batch: int) -> bool:
-        ranks = estimate_ranks(model, optimizer, mode, world_size,
+        ranks = estimate_ranks(model, optimizer, mode, world_size, budget=memory,
                                activations=activations_of(batch), **options)
         return max(r.peak for r in ranks) <= memory
 

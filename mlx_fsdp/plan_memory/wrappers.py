@@ -1,0 +1,66 @@
+"""The ranks of the two optimizer wrappers: ``ddp_step`` and ``fsdp_step``.
+
+What each counts is in :mod:`mlx_fsdp.plan_memory.estimate`; the buffers in
+:mod:`mlx_fsdp.plan_memory.buffers`, how the step's phases meet in
+:mod:`mlx_fsdp.plan_memory.phases`.
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..fused import use_fused_updates
+from . import optimizers
+from .buffers import ddp_buffers, fsdp_buffer_phases, resolve_reduce_scatter
+from .parts import RankMemory, tree_bytes
+from .phases import fsdp_fullest, reduces_ahead
+from .sharding import _fsdp_state, plain_state
+from .transient import temporaries, temporaries_apart
+
+
+def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
+               master_dtype: Optional[mx.Dtype], accumulation: str,
+               device: str = "cpu") -> RankMemory:
+    """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
+    state = plain_state(optimizers.make(name), flat, master_dtype)
+    grads = tree_bytes(dict(flat))
+    comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
+    return RankMemory(
+        parameters=param_bytes, gradients=grads, accumulation=0 if accumulation == "none" else grads,
+        optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
+        communication=comm, new_parameters=new,
+        temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
+                                device, whole_arrays=True))
+
+
+def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
+                master_dtype: Optional[mx.Dtype], accumulation: str, reduce_scatter=None,
+                device: str = "cpu", compiled: bool = False,
+                transposed: Optional[dict] = None,
+                budget: Optional[int] = None) -> List[RankMemory]:
+    """Every rank of ``fsdp_step``, in rank order (owners make them differ);
+    with a ``budget`` in bytes, only up to the first rank whose peak exceeds it."""
+    if world_size == 1:  # the plain optimizer, as in ddp_step
+        return [ddp_memory(name, flat, param_bytes, 1, communication_size,
+                           master_dtype, accumulation, device)]
+    method = resolve_reduce_scatter(reduce_scatter, world_size)
+    grads = tree_bytes(dict(flat))
+    out = []
+    for rank in range(world_size):
+        state = _fsdp_state(optimizers.make(name), flat, world_size, rank, communication_size,
+                            None, master_dtype, transposed)
+        pieces = tree_bytes(state["gradient"])
+        buckets = state["buckets"]
+        common = RankMemory(
+            parameters=param_bytes + sum(b.padding for b in buckets), gradients=grads,
+            accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
+            optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
+            communication=0, new_parameters=0)
+        temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
+                                  use_fused_updates(device), device)
+        waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
+        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method, reduces_ahead(device)),
+                                temps, pieces, buckets, device, waits, compiled))
+        if budget is not None and out[-1].peak > budget:
+            break
+    return out
