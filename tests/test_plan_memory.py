@@ -353,6 +353,8 @@ def test_one_bucket_reduced_at_a_time_where_the_step_is_paced(monkeypatch):
     from mlx_fsdp import pace
     from mlx_fsdp.plan_memory import phases
     assert phases.reduces_ahead("cpu") == phases.reduces_ahead("gpu") == 1
+    # A step compiled whole is counted as unpaced (phases.phases_apart).
+    assert phases.reduces_ahead("cpu", compiled=True) == phases.UNPACED_REDUCES_AHEAD
     monkeypatch.setattr(pace, "QUEUE_DEPTH", 0)
     assert phases.reduces_ahead("cpu") == phases.UNPACED_REDUCES_AHEAD > 1
     assert phases.reduces_ahead("gpu") == 1

@@ -59,8 +59,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
                                   use_fused_updates(device), device)
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-        out.append(fsdp_fullest(common, fsdp_buffer_phases(buckets, method, reduces_ahead(device)),
-                                temps, pieces, buckets, device, waits, compiled))
+        buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, compiled))
+        out.append(fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled))
         if budget is not None and out[-1].peak > budget:
             break
     return out
