@@ -85,14 +85,15 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
     gathering phase alone, and the reducing phase counts no temporaries:
-    ``buffers`` holds the buckets reduced at once (:func:`reduces_ahead`). Where the gathers wait too, the update is a
-    phase of its own, and the gathering phase meets the next updates, those
-    the main thread queued ahead and those under way. With one bucket
-    nothing of the gather exists during the update; past one, a gather
-    waits for its own bucket's update but the next update not for it, so
-    one bucket's gather (its packed shard and vector) and another bucket's
-    gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with SGD
-    measured 4.6% above the count without that vector). The pacing chains' one-element arrays and
+    ``buffers`` holds the buckets reduced at once (:func:`reduces_ahead`).
+    Where the gathers wait too, the update is a phase of its own, and the
+    gathering phase meets the next updates, those the main thread queued
+    ahead and those under way. With one bucket nothing of the gather
+    exists during the update; past one, a gather waits for its own bucket's
+    update but the next update not for it, so one bucket's gather (its
+    packed shard and vector) and another bucket's gathered vector meet it
+    (MPI N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the
+    count without that vector). The pacing chains' one-element arrays and
     :data:`SMALL_ARRAYS` are counted in every phase. Elsewhere (a GPU,
     unpaced) the temporaries meet the fuller buffers, with the largest
     bucket's vector packed ahead.

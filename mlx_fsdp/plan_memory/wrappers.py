@@ -26,7 +26,8 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
     grads = tree_bytes(dict(flat))
     comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
     return RankMemory(
-        parameters=param_bytes, gradients=grads, accumulation=0 if accumulation == "none" else grads,
+        parameters=param_bytes, gradients=grads,
+        accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=comm, new_parameters=new,
         temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
