@@ -401,13 +401,13 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     next bucket's vector packed ahead, not the temporaries; with flat
     buckets the update is a phase of its own (the reduced pieces beside its
     temporaries, and past one bucket a gather in flight), and the gathering
-    phase holds the next updates, queued ahead and under way (MLX
+    phase holds the other buckets' updates, queued ahead and under way (MLX
     interleaves several buckets' updates: at ring N=2 with 1 and 2 MiB
     buckets the step measured up to 8% above the count of the queued ones
-    alone, 2026-11-28). An owner
-    bucket's gather does not wait (Muon): there the temporaries meet the
-    gathers. Unpaced (a GPU, or pacing off) the temporaries meet the fuller
-    buffers, whichever phase."""
+    alone, 2026-11-28), and what is under way of its own. An owner
+    bucket's gather does not wait (Muon): there it meets the tail of its
+    own updates and the others' whole. Unpaced (a GPU, or pacing off) the
+    temporaries meet the fuller buffers, whichever phase."""
     from mlx_fsdp import pace
     from mlx_fsdp.plan_memory.parts import RankMemory
     from mlx_fsdp.plan_memory.phases import fsdp_fullest
@@ -425,23 +425,33 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     one, two = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25, buckets,
                              "cpu", True)
                 for buckets in ([bucket], [bucket, bucket]))
-    # The gathering phase holds what is queued ahead and the updates under way.
-    assert (one.communication, one.new_parameters, one.temporaries) == (30, 30, 50 + 10 + 8)
+    # With one bucket the gather follows every update: it meets the updates
+    # under way and the reduced pieces (measured), nothing queued ahead.
+    assert (one.communication, one.new_parameters, one.temporaries) == (30, 30, 50 + 25 + 8)
     assert small_arrays == one.peak + 64 * 1024
     # Where both meet (an owner's gather does not wait), at most what all updates allocate.
     free, capped = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, most), 25,
                                  [bucket], "cpu", False) for most in (99, 55))
     assert capped.peak == free.peak - 5
+    # An owner bucket's gather meets its own updates' tail (the larger of what
+    # is under way and what is queued ahead), and the other buckets' updates.
+    alone, beside = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25,
+                                  [bucket], "cpu", False,
+                                  split=(Temporaries(40, 10, 99), Temporaries(s, 2, 99)))
+                     for s in (0, 3))
+    assert (alone.temporaries, beside.temporaries) == (40 + 2 + 25 + 4, 40 + 5 + 25 + 4)
     # Once it waits, the gathering phase holds the bucket's updated pieces in
     # place of its reduced ones: 40 - 10, beside the updates.
     gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
                              "cpu", True)
     assert (gathering.communication, gathering.new_parameters, gathering.temporaries) == \
-        (30, 30, 5 + 10 + 8)
-    # Many small updates, ordered by nothing, are under way more widely.
-    wide = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99, 30), 25, [bucket],
-                        "cpu", True)
-    assert wide.temporaries == 30 + 10 + 8
+        (30, 30, 5 + 25 + 8)
+    # Past one bucket the other buckets' updates meet it, queued ahead and
+    # under way: many small ones, ordered by nothing, more widely.
+    wide = fsdp_fullest(base, ((60, 0), (140, 30)), Temporaries(50, 10, 99, 80), 25,
+                        [bucket, bucket], "cpu", True,
+                        split=(Temporaries(30, 10, 99, 30), Temporaries(4, 6, 99, 20)))
+    assert (wide.communication, wide.temporaries) == (140 - 10, 12 + 30 + 20 + 6)
     # Past one bucket the update phase holds a gather in flight and another
     # bucket's gathered vector, beside the updates under way.
     assert (two.communication, two.new_parameters, two.temporaries) == (25 + 5 + 30, 30, 50 + 12)
@@ -452,9 +462,9 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
                          [small, bucket], "cpu", True)
     assert (mixed.communication, mixed.new_parameters) == (25 + 5 + 30, 12)
     # The reducing phase: its buffers (the run-ahead's buckets) and the chain.
-    reducing = fsdp_fullest(base, ((90, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
+    reducing = fsdp_fullest(base, ((100, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
                             "cpu", True)
-    assert (reducing.communication, reducing.temporaries) == (90, 8)
+    assert (reducing.communication, reducing.temporaries) == (100, 8)
     monkeypatch.setattr(pace, "QUEUE_DEPTH", 32)
     # Linear weights: their gradients arrive transposed, which a flat bucket
     # packs without a copy (column order).
@@ -471,15 +481,16 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     for (name, n), paced in apart.items():
         for a, t in zip(paced, ranks(name, n)):
             assert a.peak <= t.peak and t.temporaries > vector, (a, t)
-            if name == "muon":  # the gathering phase, with every temporary but
-                # the vector a GPU packs ahead, and the update's pacing chain
+            if name == "muon":  # the gathering phase, with the tail of its own
+                # updates, not the vector a GPU packs ahead, and the update's pacing chain
                 assert a.new_parameters > 0 and a.peak < t.peak, (a, t)
-                assert a.temporaries == t.temporaries - vector + 4 * 32, (a, t)
-            else:  # the gathering phase, with what is queued ahead of the update alone,
-                # after the update consumed the bucket's reduced pieces
+                assert a.temporaries <= t.temporaries - vector + 4 * 32, (a, t)
+            else:  # the gathering phase, with the updates under way and the
+                # reduced pieces, after the update consumed them, and two chains
                 assert a.new_parameters == vector
                 assert a.communication == t.communication - vector // n, (a, t)
-                assert a.temporaries < t.temporaries - vector and a.peak < t.peak, (a, t)
+                assert a.temporaries <= t.temporaries - vector + 2 * 4 * 32, (a, t)
+                assert a.peak < t.peak, (a, t)
 
 
 # Fully sharded training (fully_shard on each block and the root, and fsdp_step).
@@ -853,6 +864,20 @@ def test_the_two_rank_exchange_frees_what_it_received_before_the_update(tmp_path
         peaks[method] = {r["optimizer"]: r["peak_measured"] for r in rows}
     for name, peak in peaks["exchange"].items():
         assert peak <= peaks["all_sum"][name] + 0.75 * vector, (name, peaks)
+
+
+def test_a_gather_meets_the_other_buckets_updates_not_its_own(tmp_path):
+    """A bucket's all-gather follows its own updates (an owner bucket's by
+    its data, a flat bucket's paced on the CPU): it meets their tail, not
+    all of them again beside the other buckets' (``phases.fsdp_fullest``).
+    Counted as if every update met it, the MLP 4 x 512 at ring N=2 read
+    1.55x with Muon (49.54 MiB planned, 32.02 measured) and 1.18x with
+    AdamW; so, 1.17x and 1.05x (2026-11-28)."""
+    rows = _bench(2, tmp_path, "--models", "mlp", "--optimizers", "adamw", "muon",
+                  "--modes", "fsdp")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["peak_measured"] <= r["peak_predicted"] <= 1.3 * r["peak_measured"], r
 
 
 def test_owner_updates_after_every_reduce_scatter_on_the_cpu_are_bounded(tmp_path):

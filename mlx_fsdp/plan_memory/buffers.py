@@ -164,7 +164,13 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
 
 def fullest_gather(buckets: Sequence[BucketBytes]) -> BucketBytes:
     """The bucket whose gather holds the most: updated pieces, packed shard, gathered vector."""
-    return max(buckets, key=lambda b: b.held + b.packed + b.gathered)
+    return buckets[fullest_index(buckets)]
+
+
+def fullest_index(buckets: Sequence[BucketBytes]) -> int:
+    """The index of :func:`fullest_gather`'s bucket (the first of equals)."""
+    return max(range(len(buckets)), key=lambda i: (buckets[i].held + buckets[i].packed
+                                                    + buckets[i].gathered, -i))
 
 
 def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,

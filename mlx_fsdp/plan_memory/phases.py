@@ -10,7 +10,7 @@ before it (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
 """
 
 from dataclasses import replace
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .. import layout, pace
 from .fully import BLOCKS_ALIVE, Units
@@ -67,7 +67,8 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
 
 def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: int,
                  buckets: Sequence[BucketBytes], device: str,
-                 gathers_wait: bool = False, compiled: bool = False) -> RankMemory:
+                 gathers_wait: bool = False, compiled: bool = False,
+                 split: Optional[Tuple[Temporaries, Temporaries]] = None) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
@@ -81,24 +82,30 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     update on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
     ``compiled``: the step is compiled whole, and counted as unpaced (its
     MPI N=4 points measured up to 5.3% above the paced count). Default: ``False``.
+    ``split``: the temporaries of the fullest gather's bucket's own updates,
+    and of every other bucket's. Default: ``None`` (any update may be another
+    bucket's).
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
     gathering phase alone, and the reducing phase counts no temporaries:
     ``buffers`` holds the buckets reduced at once (:func:`reduces_ahead`).
-    Where the gathers wait too, the update is a phase of its own, and the
-    gathering phase meets the next updates, those the main thread queued
-    ahead and those under way. With one bucket nothing of the gather
-    exists during the update; past one, a gather waits for its own bucket's
-    update but the next update not for it, so one bucket's gather (its
-    packed shard and vector) and another bucket's gathered vector meet it
-    (MPI N=3, 64 KiB buckets: the MLP with SGD measured 4.6% above the
-    count without that vector). The pacing chains' one-element arrays and
-    :data:`SMALL_ARRAYS` are counted in every phase. Elsewhere (a GPU,
+    A bucket's gather follows its own updates, not the other buckets': it
+    meets what is left of its own (an owner bucket's gather, unpaced, their
+    tail; a flat bucket's, which waits, what was under way) and the other
+    buckets' updates whole, queued ahead and under way (``split``).
+    Where the gathers wait, the update is a phase of its own. With one
+    bucket nothing of the gather exists during the update; past one, a
+    gather waits for its own bucket's update but the next update not for
+    it, so one bucket's gather (its packed shard and vector) and another
+    bucket's gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with
+    SGD measured 4.6% above the count without that vector). The pacing
+    chains' one-element arrays and :data:`SMALL_ARRAYS` are counted in
+    every phase. Elsewhere (a GPU,
     unpaced) the temporaries meet the fuller buffers, with the largest
     bucket's vector packed ahead.
     Measured: docs/memory-planner.md, "The update waits for the last
-    bucket's token".
+    bucket's token" and "A gather meets the other buckets' updates".
     """
     (red, red_new), (gat, gat_new) = buffers
     if not phases_apart(device, compiled):
@@ -109,15 +116,29 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                    key=lambda r: r.peak)
     chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0)) + SMALL_ARRAYS
     # A tie goes to the gathering phase, the one with the new parameters.
+    own, others = split or (temporaries, temporaries)
+    # An owner bucket's gather follows its own updates' last operations: it
+    # meets their tail (what is under way or what is queued ahead, the
+    # larger), and the other buckets' updates whole. Counted together, Muon
+    # on the MLP 4 x 512 at ring N=2 read 1.55x (49.54 MiB against 32.02).
+    meets = min(max(own.side, own.ahead) + others.together, temporaries.together)
     phases = [replace(common, communication=gat, new_parameters=gat_new,
-                      temporaries=chains + temporaries.together + pieces)]
+                      temporaries=chains + meets + pieces)]
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
         wide = temporaries._replace(side=max(temporaries.side, temporaries.interleaved))
+        # A flat bucket's gather waits for its own updates; what still meets
+        # it of them was measured as much as the updates under way and the
+        # reduced pieces: with one bucket the MLP 4 x 512 with AdamW in
+        # bfloat16 at ring N=2 peaked at 19.04 MiB, 14.09 without them and
+        # 20.09 with them (20.02 with MLX_BFS_MAX_WIDTH=4). The other buckets'
+        # updates meet it whole.
+        wider = others._replace(side=max(others.side, others.interleaved)).together
+        meets = min(own.side + wider, wide.together) if many else temporaries.side + pieces
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + wide.together)
+                            temporaries=chains + meets)
         gather = fullest.packed + fullest.gathered if many else 0
         # The main thread runs ahead of the worker while the worker waits in
         # a collective, so what it queues ahead meets the gathers (above),
@@ -132,9 +153,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # The second vector is another bucket's: counting the fullest twice,
         # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).
-        others = list(buckets)
-        others.remove(fullest)
-        second = max((b.gathered for b in others), default=0)
+        rest = list(buckets)
+        rest.remove(fullest)
+        second = max((b.gathered for b in rest), default=0)
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=second if many else 0,
                               temporaries=chains + temporaries.side))

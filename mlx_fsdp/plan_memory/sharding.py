@@ -167,11 +167,12 @@ def _fsdp_state(
         master piece}``; ``"gradient"``: ``{path: what this rank holds of the
         reduced gradient}`` (what sharded accumulation keeps; the updated
         pieces, in the parameters' dtype, are as large); ``"buckets"``: the
-        :class:`BucketBytes` of every bucket, in plan order.
+        :class:`BucketBytes` of every bucket, in plan order; ``"paths"``: the
+        paths this rank updates, bucket by bucket.
     """
     if world_size == 1:  # fsdp_step is the plain optimizer then
         return dict(plain_state(optimizer, flat_params, master_dtype),
-                    gradient=dict(flat_params), buckets=[])
+                    gradient=dict(flat_params), buckets=[], paths=[])
     masters = {}
     arrays = [a for _, a in flat_params]
     plan = plan_for(list(flat_params), arrays, optimizer, world_size, communication_size,
@@ -181,4 +182,4 @@ def _fsdp_state(
     buckets: List[BucketBytes] = [bucket_bytes(b, arrays, world_size, rank, transposed)
                                   for b in plan.buckets]
     return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
-            "buckets": buckets}
+            "buckets": buckets, "paths": [[s.path for s in b.held(rank)] for b in plan.buckets]}

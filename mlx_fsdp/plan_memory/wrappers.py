@@ -11,9 +11,9 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import optimizers
-from .buffers import ddp_buffers, fsdp_buffer_phases, resolve_reduce_scatter
+from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_reduce_scatter
 from .parts import RankMemory, tree_bytes
-from .phases import fsdp_fullest, reduces_ahead
+from .phases import fsdp_fullest, phases_apart, reduces_ahead
 from .sharding import _fsdp_state, plain_state
 from .transient import temporaries, temporaries_apart
 
@@ -57,11 +57,18 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=0, new_parameters=0)
-        temps = temporaries_apart(name, list(state["gradient"].items()), master_dtype,
-                                  use_fused_updates(device), device)
+        held = list(state["gradient"].items())
+        temps = temporaries_apart(name, held, master_dtype, use_fused_updates(device), device)
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
         buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, compiled))
-        out.append(fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled))
+        split = None
+        if buckets and phases_apart(device, compiled):
+            own = set(state["paths"][fullest_index(buckets)])
+            split = tuple(temporaries_apart(name, [(p, a) for p, a in held if (p in own) == mine],
+                                            master_dtype, use_fused_updates(device), device)
+                          for mine in (True, False))
+        out.append(fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled,
+                                split))
         if budget is not None and out[-1].peak > budget:
             break
     return out
