@@ -434,12 +434,12 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
                                  [bucket], "cpu", False) for most in (99, 55))
     assert capped.peak == free.peak - 5
     # An owner bucket's gather meets its own updates' tail (the larger of what
-    # is under way and what is queued ahead), and the other buckets' updates.
+    # is under way and what is queued ahead), and the other buckets' under way.
     alone, beside = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25,
                                   [bucket], "cpu", False,
                                   split=(Temporaries(40, 10, 99), Temporaries(s, 2, 99)))
                      for s in (0, 3))
-    assert (alone.temporaries, beside.temporaries) == (40 + 2 + 25 + 4, 40 + 5 + 25 + 4)
+    assert (alone.temporaries, beside.temporaries) == (40 + 25 + 4, 40 + 3 + 25 + 4)
     # Once it waits, the gathering phase holds the bucket's updated pieces in
     # place of its reduced ones: 40 - 10, beside the updates.
     gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],

@@ -93,7 +93,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     A bucket's gather follows its own updates, not the other buckets': it
     meets what is left of its own (an owner bucket's gather, unpaced, their
     tail; a flat bucket's, which waits, what was under way) and the other
-    buckets' updates whole, queued ahead and under way (``split``).
+    buckets' updates (``split``): under way beside an owner bucket's
+    gather, queued ahead too beside a flat bucket's.
     Where the gathers wait, the update is a phase of its own. With one
     bucket nothing of the gather exists during the update; past one, a
     gather waits for its own bucket's update but the next update not for
@@ -119,9 +120,12 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     own, others = split or (temporaries, temporaries)
     # An owner bucket's gather follows its own updates' last operations: it
     # meets their tail (what is under way or what is queued ahead, the
-    # larger), and the other buckets' updates whole. Counted together, Muon
-    # on the MLP 4 x 512 at ring N=2 read 1.55x (49.54 MiB against 32.02).
-    meets = min(max(own.side, own.ahead) + others.together, temporaries.together)
+    # larger), and what is under way of the other buckets' updates. Counted
+    # together, Muon on the MLP 4 x 512 at ring N=2 read 1.55x (49.54 MiB
+    # against 32.02); with the others' queued ahead too, no measured point
+    # needed them (the GPT 2 x 128 with Muon at MPI N=4, 64 KiB buckets:
+    # 1.60x so, 9.72 MiB against 6.07; docs/memory-planner.md).
+    meets = min(max(own.side, own.ahead) + others.side, temporaries.together)
     phases = [replace(common, communication=gat, new_parameters=gat_new,
                       temporaries=chains + meets + pieces)]
     if gathers_wait:
