@@ -61,7 +61,7 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         temps = temporaries_apart(name, held, master_dtype, use_fused_updates(device), device)
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
         buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, compiled))
-        split = None
+        split = None  # where the phases are apart, a gather meets its own updates' tail
         if buckets and phases_apart(device, compiled):
             own = set(state["paths"][fullest_index(buckets)])
             split = tuple(temporaries_apart(name, [(p, a) for p, a in held if (p in own) == mine],
