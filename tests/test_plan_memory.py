@@ -12,7 +12,8 @@ from mlx.utils import tree_flatten, tree_map
 import mlx_fsdp
 from launch import run_script
 from mlx_fsdp.plan_memory import estimate, fit, optimizers, shapes
-from mlx_fsdp.plan_memory.transient import PROFILES, SCALAR_BYTES, temporaries, temporaries_apart
+from mlx_fsdp.plan_memory.transient import SCALAR_BYTES, temporaries, temporaries_apart
+from mlx_fsdp.plan_memory.updates import PROFILES
 from mlx_fsdp.plan_memory.activations import activation_bytes, llama_shape, pass_of
 from mlx_fsdp.plan_memory.buffers import (default_communication_size, default_device,
                                           fsdp_buffer_phases)
@@ -1138,7 +1139,7 @@ def test_the_compiled_update_a_gpu_runs_is_bounded_too(tmp_path):
     writes its momentum and parameter anew: before the planner counted that,
     the MLP's SGD point under FSDP measured 2 KiB above the bound (2026-11-26).
     ``ddp_step`` reads the switch too (since 2026-11-27) but is planned as
-    eager (``mlx_fsdp/plan_memory/transient.py``): its points are left to the grid."""
+    eager (``mlx_fsdp/plan_memory/updates.py``): its points are left to the grid."""
     rows = _bench(2, tmp_path, "--hidden", "256", "--modes", "fsdp",
                   env={"MLX_FSDP_FUSED_UPDATE": "1"})
     assert len(rows) == 2 * len(optimizers.OPTIMIZERS)
@@ -1164,7 +1165,7 @@ H100_PEAKS = [
     ("gpt", ["--hidden", "256"], "lion", "ddp", 2, False, 15031288),
     ("gpt", ["--hidden", "256"], "adafactor", "ddp", 2, False, 13723928),  # 10.4 MB
     # ddp_step's update compiled (since 2026-11-27), over 240 of its kernels
-    # (transient.Profile.kernels; 2026-11-27, N=2 and N=4 alike): 14.5 MB planned as eager.
+    # (updates.Profile.kernels; 2026-11-27, N=2 and N=4 alike): 14.5 MB planned as eager.
     ("gpt", ["--hidden", "256"], "adafactor", "ddp", 4, False, 15118888),
 ]
 
@@ -1174,7 +1175,7 @@ def test_a_gpu_plan_covers_the_peaks_an_h100_measured(name, flags, optimizer, mo
                                                       measured):
     """Muon's cuBLASLt workspaces, a fully sharded step whose update ran
     beside its backward pass, and eager updates held until the GPU finishes
-    (transient.MUON_GPU_WORKSPACE, phases.update_during_backward,
+    (updates.MUON_GPU_WORKSPACE, phases.update_during_backward,
     transient.temporaries): planned here for a GPU, on the models of
     ``bench_plan_memory.py``."""
     import sys
@@ -1315,7 +1316,7 @@ def test_an_updates_operations_and_kernels_are_what_mlx_makes_of_it(name, shape,
     """transient's ops (eager) and kernels (compiled by mlx_fsdp.fused, as on a GPU)
     against the nodes of MLX's own graph of one update, step counter included."""
     from mlx_fsdp.fused import FusedUpdates
-    from mlx_fsdp.plan_memory.transient import update_cost
+    from mlx_fsdp.plan_memory.updates import update_cost
     want = update_cost(name, "w", shape, 4)
     for compiled, expected in ((False, want.ops), (True, want.kernels)):
         opt = optimizers.make(name)

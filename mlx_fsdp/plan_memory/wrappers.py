@@ -15,7 +15,7 @@ from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_red
 from .parts import RankMemory, tree_bytes
 from .phases import fsdp_fullest, phases_apart, reduces_ahead
 from .sharding import _fsdp_state, plain_state
-from .transient import temporaries, temporaries_apart
+from .transient import overlap, temporaries, update_costs
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -57,15 +57,16 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=0, new_parameters=0)
-        held = list(state["gradient"].items())
-        temps = temporaries_apart(name, held, master_dtype, use_fused_updates(device), device)
+        fused = use_fused_updates(device)
+        costed = update_costs(name, list(state["gradient"].items()), master_dtype, fused)
+        temps = overlap(name, list(costed.values()), fused, device)
         waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
         buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, compiled))
         split = None  # where the phases are apart, a gather meets its own updates' tail
         if buckets and phases_apart(device, compiled):
             own = set(state["paths"][fullest_index(buckets)])
-            split = tuple(temporaries_apart(name, [(p, a) for p, a in held if (p in own) == mine],
-                                            master_dtype, use_fused_updates(device), device)
+            split = tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
+                                  fused, device)
                           for mine in (True, False))
         out.append(fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled,
                                 split))
