@@ -83,8 +83,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     ``compiled``: the step is compiled whole, and counted as unpaced (its
     MPI N=4 points measured up to 5.3% above the paced count). Default: ``False``.
     ``split``: the temporaries of the fullest gather's bucket's own updates,
-    and of every other bucket's. Default: ``None`` (any update may be another
-    bucket's).
+    and of every other bucket's. Default: ``None`` (every update counted
+    beside the gather).
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
@@ -102,9 +102,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     bucket's gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with
     SGD measured 4.6% above the count without that vector). The pacing
     chains' one-element arrays and :data:`SMALL_ARRAYS` are counted in
-    every phase. Elsewhere (a GPU,
-    unpaced) the temporaries meet the fuller buffers, with the largest
-    bucket's vector packed ahead.
+    every phase. Elsewhere (a GPU, unpaced) the temporaries meet the fuller
+    buffers, with the largest bucket's vector packed ahead.
     Measured: docs/memory-planner.md, "The update waits for the last
     bucket's token" and "A gather meets the other buckets' updates".
     """
@@ -116,16 +115,18 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                     replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
                    key=lambda r: r.peak)
     chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0)) + SMALL_ARRAYS
+    meets = temporaries.together  # without a split, every update beside the gather
+    if split:
+        # An owner bucket's gather follows its own updates' last operations:
+        # it meets their tail (what is under way or what is queued ahead, the
+        # larger), and what is under way of the other buckets' updates.
+        # Counted together, Muon on the MLP 4 x 512 at ring N=2 read 1.55x
+        # (49.54 MiB against 32.02); with the others' queued ahead too, no
+        # measured point needed them (the GPT 2 x 128 with Muon at MPI N=4,
+        # 64 KiB buckets: 1.60x so, 9.72 MiB against 6.07).
+        own, others = split
+        meets = min(max(own.side, own.ahead) + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
-    own, others = split or (temporaries, temporaries)
-    # An owner bucket's gather follows its own updates' last operations: it
-    # meets their tail (what is under way or what is queued ahead, the
-    # larger), and what is under way of the other buckets' updates. Counted
-    # together, Muon on the MLP 4 x 512 at ring N=2 read 1.55x (49.54 MiB
-    # against 32.02); with the others' queued ahead too, no measured point
-    # needed them (the GPT 2 x 128 with Muon at MPI N=4, 64 KiB buckets:
-    # 1.60x so, 9.72 MiB against 6.07; docs/memory-planner.md).
-    meets = min(max(own.side, own.ahead) + others.side, temporaries.together)
     phases = [replace(common, communication=gat, new_parameters=gat_new,
                       temporaries=chains + meets + pieces)]
     if gathers_wait:
@@ -139,8 +140,10 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # bfloat16 at ring N=2 peaked at 19.04 MiB, 14.09 without them and
         # 20.09 with them (20.02 with MLX_BFS_MAX_WIDTH=4). The other buckets'
         # updates meet it whole.
-        wider = others._replace(side=max(others.side, others.interleaved)).together
-        meets = min(own.side + wider, wide.together) if many else temporaries.side + pieces
+        meets = wide.together if many else temporaries.side + pieces
+        if split and many:
+            wider = others._replace(side=max(others.side, others.interleaved)).together
+            meets = min(own.side + wider, meets)
         phases[0] = replace(phases[0], communication=gat - fullest.held,
                             temporaries=chains + meets)
         gather = fullest.packed + fullest.gathered if many else 0
