@@ -178,8 +178,9 @@ def _fsdp_state(
     plan = plan_for(list(flat_params), arrays, optimizer, world_size, communication_size,
                     placement)
     init_held(plan, optimizer, arrays, rank, masters, master_dtype)
-    gradient = {s.path: a for b in plan.buckets for s, a in layout.held_of(b, arrays, rank)}
+    held = [layout.held_of(b, arrays, rank) for b in plan.buckets]
+    gradient = {s.path: a for pairs in held for s, a in pairs}
     buckets: List[BucketBytes] = [bucket_bytes(b, arrays, world_size, rank, transposed)
                                   for b in plan.buckets]
     return {"optimizer": optimizer.state, "master": masters, "gradient": gradient,
-            "buckets": buckets, "paths": [[s.path for s in b.held(rank)] for b in plan.buckets]}
+            "buckets": buckets, "paths": [[s.path for s, _ in pairs] for pairs in held]}
