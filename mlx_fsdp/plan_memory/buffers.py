@@ -52,7 +52,7 @@ counted here but in :mod:`mlx_fsdp.plan_memory.transient`; the margin
 measured against ``mx.get_peak_memory`` is in docs/memory-planner.md.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -198,9 +198,18 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
     return (reducing, 0), (updating - sum(b.held for b in buckets if b.held), gathered)
 
 
+class DdpBuffers(NamedTuple):
+    """One DDP rank's buffers, in bytes (see the module docstring)."""
+
+    averaged: int  #: the averaged gradients: every group's vector, all-summed in place
+    packing: int  #: the largest group's copies, alive while it is packed
+    new_parameters: int  #: the largest array's new value
+    groups: int  #: groups ``average_gradients`` packs (0: it all-sums array by array)
+
+
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
-                communication_size: int) -> Tuple[int, int]:
-    """``(communication, new parameters)`` of one DDP rank (see the module docstring).
+                communication_size: int) -> DdpBuffers:
+    """:class:`DdpBuffers` of one DDP rank.
 
     Args:
         gradients (list[array]): The gradients, in tree order.
@@ -208,16 +217,17 @@ def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
         communication_size (int): ``average_gradients``' group size in bytes.
 
     Returns:
-        tuple: Bytes.
+        DdpBuffers: Bytes; one process averages nothing.
     """
     largest = max(g.nbytes for g in gradients)
     if world_size == 1:
-        return 0, largest
+        return DdpBuffers(0, 0, largest, 0)
     grads = sum(g.nbytes for g in gradients)
-    group, used = 0, 0
+    group, used, groups = 0, 0, 0
     if communication_size > 0 and len({g.dtype for g in gradients}) == 1:
         for g in gradients:  # average_gradients closes a group once it reaches the size
+            groups += used == 0
             used += g.nbytes
             group = max(group, used)
             used = 0 if used >= communication_size else used
-    return grads + group, largest
+    return DdpBuffers(grads, group, largest, groups)

@@ -100,6 +100,7 @@ class Update(NamedTuple):
     live: int
     ops: int
     kernels: int
+    array: int = 0  #: bytes of one array of the update's size, in the dtype it runs in
 
 
 def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int,
@@ -138,14 +139,14 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
         total = (11 + 2 * (rows > cols)) * n + 10 * k * k
         live = 3 * n + 3 * k * k
         return Update(total * size + cast, live * size + cast, MUON_OPS + ops,
-                      MUON_KERNELS + kernels)
+                      MUON_KERNELS + kernels, n * size)
     name = "adamw" if optimizer == "muon" else optimizer
     profile = ADAFACTOR_MATRIX if name == "adafactor" and matrix else PROFILES[name]
     if compiled and name in COMPILED_TOTAL:
         most = max(profile.total, COMPILED_TOTAL[name])
         profile = profile._replace(total=most, live=max(profile.live, most))
     return Update(int(profile.total * n * size) + cast, int(profile.live * n * size) + cast,
-                  profile.ops + ops, profile.kernels + kernels)
+                  profile.ops + ops, profile.kernels + kernels, n * size)
 
 
 class _Shape(NamedTuple):

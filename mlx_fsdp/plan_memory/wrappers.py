@@ -13,9 +13,9 @@ from ..fused import use_fused_updates
 from . import optimizers
 from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_reduce_scatter
 from .parts import RankMemory, tree_bytes
-from .phases import fsdp_fullest, phases_apart, reduces_ahead
+from .phases import ddp_fullest, fsdp_fullest, phases_apart, reduces_ahead
 from .sharding import _fsdp_state, plain_state
-from .transient import overlap, temporaries, update_costs
+from .transient import overlap, temporaries_apart, update_costs
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -24,14 +24,15 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
     """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
-    comm, new = ddp_buffers([a for _, a in flat], world_size, communication_size)
-    return RankMemory(
+    common = RankMemory(
         parameters=param_bytes, gradients=grads,
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
-        communication=comm, new_parameters=new,
-        temporaries=temporaries(name, flat, master_dtype, use_fused_updates(device, world_size),
-                                device, whole_arrays=True))
+        communication=0, new_parameters=0)
+    temps = temporaries_apart(name, flat, master_dtype, use_fused_updates(device, world_size),
+                              device, whole_arrays=True)
+    return ddp_fullest(common, ddp_buffers([a for _, a in flat], world_size, communication_size),
+                       temps, device)
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
