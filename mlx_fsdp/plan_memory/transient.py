@@ -188,8 +188,8 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     meet whatever the step queues next.
     """
     workspace = matmul_workspace(optimizer, device)
-    most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
     if whole_arrays and device == "cpu" and not (compiled or traced):
+        most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
         plain = min(most, plain_window(updates, *PLAIN[optimizer]))
         queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
         return Temporaries(plain - queued, queued, most, plain)
@@ -198,5 +198,6 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
         updates = [u._replace(ops=u.kernels) for u in updates]
     window = GPU_IN_FLIGHT_OPS if device == "gpu" and (kernels or not compiled) else IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
+    most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
     wide = sum(sorted((u.live for u in updates), reverse=True)[:INTERLEAVED])
     return Temporaries(chains + workspace, ahead, most, wide + workspace)
