@@ -116,6 +116,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                    key=lambda r: r.peak)
     chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0)) + SMALL_ARRAYS
     meets = temporaries.together  # without a split, every update beside the gather
+    # What the other buckets' updates keep to the step's end meets every
+    # gather (transient.KEPT_TO_THE_END).
+    late = split[1].kept if split else 0
     if split:
         # An owner bucket's gather follows its own updates' last operations:
         # it meets their tail (what is under way or what is queued ahead, the
@@ -128,7 +131,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         meets = min(max(own.side, own.ahead) + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
-                      temporaries=chains + meets + pieces)]
+                      temporaries=chains + late + meets + pieces)]
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
@@ -145,7 +148,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
             wider = others._replace(side=max(others.side, others.interleaved)).together
             meets = min(own.side + wider, meets)
         phases[0] = replace(phases[0], communication=gat - fullest.held,
-                            temporaries=chains + meets)
+                            temporaries=chains + late + meets)
         gather = fullest.packed + fullest.gathered if many else 0
         # The main thread runs ahead of the worker while the worker waits in
         # a collective, so what it queues ahead meets the gathers (above),
@@ -165,7 +168,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         second = max((b.gathered for b in rest), default=0)
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=second if many else 0,
-                              temporaries=chains + temporaries.side))
+                              temporaries=chains + late + temporaries.side))
     phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
     return max(phases, key=lambda r: r.peak)
 
