@@ -83,8 +83,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     ``compiled``: the step is compiled whole, and counted as unpaced (its
     MPI N=4 points measured up to 5.3% above the paced count). Default: ``False``.
     ``split``: the temporaries of the fullest gather's bucket's own updates,
-    and of every other bucket's. Default: ``None`` (every update counted
-    beside the gather).
+    and of every other bucket's, whose ``kept`` meets every gather.
+    Default: ``None`` (every update counted beside the gather).
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
