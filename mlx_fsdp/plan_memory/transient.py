@@ -137,7 +137,8 @@ def plain_window(updates: Sequence[Update], whole: float, kept: float,
         those = updates[start:start + run]
         held = [min(u.total, int(kept * u.array)) for u in those]
         rest = sorted((u.total - h for u, h in zip(those, held)), reverse=True)
-        more = sum(rest[:int(whole)]) + int((whole % 1) * sum(rest[int(whole):int(whole) + 1]))
+        count = int(whole)  # the largest ``count`` whole, and a fraction of the next
+        more = sum(rest[:count]) + int((whole - count) * sum(rest[count:count + 1]))
         fullest = max(fullest, sum(held) + more)
     return fullest
 
@@ -198,8 +199,9 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     meet whatever the step queues next.
     """
     workspace = matmul_workspace(optimizer, device)
-    if whole_arrays and device == "cpu" and not (compiled or traced):
-        most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
+    eager_cpu = device == "cpu" and not (compiled or traced)
+    if whole_arrays and eager_cpu:
+        most = _most(updates, workspace)
         plain = min(most, plain_window(updates, *PLAIN[optimizer]))
         queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
         return Temporaries(plain - queued, queued, most, plain)
@@ -208,8 +210,13 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
         updates = [u._replace(ops=u.kernels) for u in updates]
     window = GPU_IN_FLIGHT_OPS if device == "gpu" and (kernels or not compiled) else IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
-    most = sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
+    most = _most(updates, workspace)
     wide = sum(sorted((u.live for u in updates), reverse=True)[:INTERLEAVED])
     kept = int(KEPT_TO_THE_END.get(optimizer, 0) * sum(u.array for u in updates))
     return Temporaries(chains + workspace, ahead, most, wide + workspace,
-                       kept if device == "cpu" and not (compiled or traced) else 0)
+                       kept if eager_cpu else 0)
+
+
+def _most(updates: Sequence[Update], workspace: int) -> int:
+    """What every update allocates (:class:`Temporaries`' ``most``); ``ops`` counted as run."""
+    return sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
