@@ -405,7 +405,8 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     phase holds the other buckets' updates, queued ahead and under way (MLX
     interleaves several buckets' updates: at ring N=2 with 1 and 2 MiB
     buckets the step measured up to 8% above the count of the queued ones
-    alone, 2026-11-28), and what is under way of its own. An owner
+    alone, 2026-11-28), and what is under way of its own, none of it with
+    SGD and Lion (``Temporaries.tail``; measured, 2026-11-29). An owner
     bucket's gather does not wait (Muon): there it meets the tail of its
     own updates and the others' whole. Unpaced (a GPU, or pacing off) the
     temporaries meet the fuller buffers, whichever phase."""
@@ -423,12 +424,20 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     small_arrays = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25,
                                 [bucket], "cpu", True).peak
     monkeypatch.setattr(phases, "SMALL_ARRAYS", 0)
+    empty = Temporaries(0, 0, 0)
     one, two = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25, buckets,
                              "cpu", True)
                 for buckets in ([bucket], [bucket, bucket]))
-    # With one bucket the gather follows every update: it meets the updates
-    # under way and the reduced pieces (measured), nothing queued ahead.
-    assert (one.communication, one.new_parameters, one.temporaries) == (30, 30, 50 + 25 + 8)
+    # With one bucket the gather follows every update: it meets nothing queued
+    # ahead, and what is under way (``tail``) only where the optimizer leaves
+    # it (Adam's, not SGD's); the update has consumed the reduced pieces.
+    adam, sgd = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99, tail=tail),
+                              25, [bucket], "cpu", True, split=(Temporaries(50, 10, 99), empty))
+                 for tail in (50, 0))
+    assert (adam.communication, adam.new_parameters, adam.temporaries) == (30, 30, 50 + 8)
+    # Without the tail the update phase is the fuller: the reduced pieces and
+    # the updates under way.
+    assert (sgd.communication, sgd.new_parameters, sgd.temporaries) == (25, 0, 50 + 8)
     assert small_arrays == one.peak + 64 * 1024
     # Where both meet (an owner's gather does not wait), at most what all updates allocate.
     free, capped = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, most), 25,
@@ -442,17 +451,17 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
                      for s in (0, 3))
     assert (alone.temporaries, beside.temporaries) == (40 + 25 + 4, 40 + 3 + 25 + 4)
     # Once it waits, the gathering phase holds the bucket's updated pieces in
-    # place of its reduced ones: 40 - 10, beside the updates.
-    gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99), 25, [bucket],
-                             "cpu", True)
+    # place of its reduced ones: 40 - 10, beside what is left of the updates.
+    gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99, tail=5), 25,
+                             [bucket], "cpu", True)
     assert (gathering.communication, gathering.new_parameters, gathering.temporaries) == \
-        (30, 30, 5 + 25 + 8)
+        (30, 30, 5 + 8)
     # Past one bucket the other buckets' updates meet it, queued ahead and
-    # under way: many small ones, ordered by nothing, more widely.
-    wide = fsdp_fullest(base, ((60, 0), (140, 30)), Temporaries(50, 10, 99, 80), 25,
+    # under way, beside what is left of its own.
+    wide = fsdp_fullest(base, ((60, 0), (140, 30)), Temporaries(50, 10, 99), 25,
                         [bucket, bucket], "cpu", True,
-                        split=(Temporaries(30, 10, 99, 30), Temporaries(4, 6, 99, 20)))
-    assert (wide.communication, wide.temporaries) == (140 - 10, 12 + 30 + 20 + 6)
+                        split=(Temporaries(30, 10, 99, tail=30), Temporaries(4, 6, 99)))
+    assert (wide.communication, wide.temporaries) == (140 - 10, 12 + 30 + 4 + 6)
     # Past one bucket the update phase holds a gather in flight and another
     # bucket's gathered vector, beside the updates under way.
     assert (two.communication, two.new_parameters, two.temporaries) == (25 + 5 + 30, 30, 50 + 12)
@@ -852,6 +861,19 @@ def test_lions_pieces_kept_to_the_step_end_are_counted_beside_every_gather(tmp_p
     rows = _bench(2, tmp_path, "--models", "mlp", "--layers", "48", "--hidden", "64",
                   "--modes", "fsdp", "--optimizers", "lion", "--communication-size", "32768")
     assert len(rows) == 1
+    _bounded_both_ways(rows)
+
+
+def test_a_flat_buckets_gather_meets_adams_updates_but_not_sgds_or_lions(tmp_path):
+    """``fsdp_step`` on an MLP of 4 layers of 256 in one flat bucket at ring
+    N=2: its gather waits for the bucket's updates. SGD and Lion peaked at
+    the gather's own buffers (4.52 MiB), AdamW 0.44 MiB above them
+    (transient.NOTHING_AT_OWN_GATHER). Counted with every update under way
+    and the reduced pieces, as before, Lion read 1.456x (6.58 MiB planned);
+    counted without AdamW's, it peaks above the plan (5.08; 2026-11-29)."""
+    rows = _bench(2, tmp_path, "--models", "mlp", "--hidden", "256", "--modes", "fsdp",
+                  "--optimizers", "sgd", "lion", "adamw")
+    assert len(rows) == 3
     _bounded_both_ways(rows)
 
 

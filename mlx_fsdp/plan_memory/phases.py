@@ -92,7 +92,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     ``buffers`` holds the buckets reduced at once (:func:`reduces_ahead`).
     A bucket's gather follows its own updates, not the other buckets': it
     meets what is left of its own (an owner bucket's gather, unpaced, their
-    tail; a flat bucket's, which waits, what was under way) and the other
+    tail; a flat bucket's, which waits, what was under way, but alone in
+    its bucket none of SGD's or Lion's: ``Temporaries.tail``) and the other
     buckets' updates (``split``): under way beside an owner bucket's
     gather, queued ahead too beside a flat bucket's.
     Where the gathers wait, the update is a phase of its own. With one
@@ -136,17 +137,28 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.
         fullest, many = fullest_gather(buckets), sum(1 for b in buckets if b.held) > 1
-        wide = temporaries._replace(side=max(temporaries.side, temporaries.interleaved))
         # A flat bucket's gather waits for its own updates; what still meets
-        # it of them was measured as much as the updates under way and the
-        # reduced pieces: with one bucket the MLP 4 x 512 with AdamW in
-        # bfloat16 at ring N=2 peaked at 19.04 MiB, 14.09 without them and
-        # 20.09 with them (20.02 with MLX_BFS_MAX_WIDTH=4). The other buckets'
-        # updates meet it whole.
-        meets = wide.together if many else temporaries.side + pieces
-        if split and many:
-            wider = others._replace(side=max(others.side, others.interleaved)).together
-            meets = min(own.side + wider, meets)
+        # it of them, with one bucket, was measured as much as the updates
+        # under way with Adam and AdamW, nothing with SGD and Lion (``tail``):
+        # the MLP 4 x 512 with AdamW in bfloat16 at ring N=2 peaked at 19.04
+        # MiB, 14.09 counted without them and 19.09 with them (20.09 with the
+        # reduced pieces too, which the update has consumed); with SGD at
+        # 12.03, 12.09 counted without them.
+        meets = temporaries.tail
+        if many:
+            # Past one, what its own updates keep to the step's end too
+            # (Lion's: without it the MLP 48 x 128 in 128 KiB buckets at MPI
+            # N=3 peaked above the plan, 9.60 MiB against 9.598; counted with
+            # all its updates under way instead, the MLP 4 x 1024 read 1.47x,
+            # 1.40x so), and the other buckets' updates, under way and queued
+            # ahead. Counted with as many under way as MLX's graph width
+            # allows (seven, session 29), no point measured since needed
+            # them: the MLP 16 x 256 with Lion in 256 KiB buckets at ring N=2,
+            # for which they were counted, peaked at 15.69 MiB, 17.04 counted
+            # without them; the GPT 2 x 512 with AdamW read 1.31x with them,
+            # 1.21x without (2026-11-29).
+            meets = temporaries.together if not split else \
+                min(own.tail + own.kept + others.together, temporaries.most)
         phases[0] = replace(phases[0], communication=gat - fullest.held,
                             temporaries=chains + late + meets)
         gather = fullest.packed + fullest.gathered if many else 0
@@ -155,11 +167,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # beside the updates under way: MLX's graph order interleaves
         # independent updates of several buckets (mlx-lm's Llama 4 x 256
         # with Lion and 1 MiB buckets at ring N=2: 48.23 MiB, 44.22 with
-        # MLX_BFS_MAX_WIDTH=1), as many as its width allows with small
-        # buckets (transient.INTERLEAVED). Counted with the queued ones
-        # alone, ring N=2 with 1 and 2 MiB buckets measured up to 8% above
-        # the plan (the MLP 4 x 512 with AdamW: 21.54 MiB against 19.93;
-        # 2026-11-28). Between the gathers the update holds what is under way.
+        # MLX_BFS_MAX_WIDTH=1). Counted with the queued ones alone, ring
+        # N=2 with 1 and 2 MiB buckets measured up to 8% above the plan (the
+        # MLP 4 x 512 with AdamW: 21.54 MiB against 19.93; 2026-11-28). Between the gathers the update holds what is under way.
         # The second vector is another bucket's: counting the fullest twice,
         # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).

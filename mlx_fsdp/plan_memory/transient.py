@@ -7,8 +7,7 @@ How many updates overlap (:func:`in_flight`): MLX orders a graph
 breadth-first at most ``MLX_BFS_MAX_WIDTH`` (20) nodes wide, and an
 update runs three or four independent chains (the moments, the parameter),
 so about :data:`CHAINS` updates are under way at once, each holding its
-``live`` bytes (:data:`INTERLEAVED` where nothing orders many small
-updates); and on top of that the main thread queues up to
+``live`` bytes; and on top of that the main thread queues up to
 :data:`IN_FLIGHT_OPS` operations ahead of the worker, allocating their
 outputs when it queues them, so the ``total`` of the updates those
 operations belong to (largest first, a fraction of the last) can be alive
@@ -54,10 +53,11 @@ SCALAR_BYTES = 4  #: Bytes of one operation's scalar output (Adafactor's norms a
 
 #: Updates under way at once, each holding its ``live`` bytes: fitted on the
 #: CPU (the BFS width over an update's three chains, 7, over-predicted the
-#: grid by 1.2-1.9x); that width where nothing orders many small updates
-#: (``fsdp_step``'s, between waiting gathers: the MLP 16 x 256 with Lion in
-#: 256 KiB buckets at ring N=2, 15.69 MiB, 15.38 counted with two, 2026-11-28).
-CHAINS, INTERLEAVED = 2, 7
+#: grid by 1.2-1.9x). Counted with that width beside a flat bucket's gather
+#: from session 29, many small buckets' updates needed it no more once
+#: what the pass between the gathers holds was counted (2026-11-29,
+#: :func:`mlx_fsdp.plan_memory.phases.fsdp_fullest`).
+CHAINS = 2
 
 
 #: On the CPU, eager, the plain optimizer's updates of whole arrays
@@ -88,19 +88,28 @@ PLAIN = {"sgd": (0, 1, 40), "adamw": (4, 1.5, 20), "adam": (5, 2, 20), "lion": (
 #: without; the plain update's count has it, :data:`PLAIN`).
 KEPT_TO_THE_END = {"lion": 1}
 
+#: Optimizers none of whose updates was seen alive at the gather of a flat
+#: bucket alone in its step, which waits for them (:mod:`mlx_fsdp.step`; past
+#: one bucket they are counted): at ring N=2, SGD and Lion on the MLP 4 x 256 peaked at 4.52 MiB,
+#: the gather's buffers alone counted 4.58 (the MLP 6 x 384: 15.23 and
+#: 15.29); AdamW 0.44 MiB above them (5.52 against 5.08), so Adam's, AdamW's
+#: and the others' updates under way are counted there (2026-11-29). Eager
+#: only: compiled, as on a GPU (:mod:`mlx_fsdp.fused`), Lion's update on
+#: that MLP held 0.19 MiB more than the gather's buffers (4.77 MiB).
+NOTHING_AT_OWN_GATHER = ("sgd", "lion")
+
 
 class Temporaries(NamedTuple):
     """Bytes the updates under way hold (``side``: :func:`in_flight`'s chains and
     any workspace), those queued ahead of them (``ahead``), and what every update
     allocates in all (``most``: totals, workspace, :data:`SCALAR_BYTES` per
-    operation), which no overlap of them can exceed; ``interleaved``: ``side``
-    over :data:`INTERLEAVED` updates."""
+    operation), which no overlap of them can exceed."""
 
     side: int
     ahead: int
     most: int
-    interleaved: int = 0
     kept: int = 0  #: what lives on to the step's end (:data:`KEPT_TO_THE_END`)
+    tail: int = 0  #: what meets a lone flat bucket's gather (:data:`NOTHING_AT_OWN_GATHER`)
 
     @property
     def together(self) -> int:
@@ -204,17 +213,16 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
         most = _most(updates, workspace)
         plain = min(most, plain_window(updates, *PLAIN[optimizer]))
         queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
-        return Temporaries(plain - queued, queued, most, plain)
+        return Temporaries(plain - queued, queued, most)
     kernels = traced or (device == "gpu" and compiled and whole_arrays)  # module docstring
     if kernels:
         updates = [u._replace(ops=u.kernels) for u in updates]
     window = GPU_IN_FLIGHT_OPS if device == "gpu" and (kernels or not compiled) else IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
     most = _most(updates, workspace)
-    wide = sum(sorted((u.live for u in updates), reverse=True)[:INTERLEAVED])
     kept = int(KEPT_TO_THE_END.get(optimizer, 0) * sum(u.array for u in updates))
-    return Temporaries(chains + workspace, ahead, most, wide + workspace,
-                       kept if eager_cpu else 0)
+    tail = 0 if optimizer in NOTHING_AT_OWN_GATHER and eager_cpu else chains + workspace
+    return Temporaries(chains + workspace, ahead, most, kept if eager_cpu else 0, tail)
 
 
 def _most(updates: Sequence[Update], workspace: int) -> int:
