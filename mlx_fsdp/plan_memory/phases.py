@@ -172,7 +172,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # with Lion and 1 MiB buckets at ring N=2: 48.23 MiB, 44.22 with
         # MLX_BFS_MAX_WIDTH=1). Counted with the queued ones alone, ring
         # N=2 with 1 and 2 MiB buckets measured up to 8% above the plan (the
-        # MLP 4 x 512 with AdamW: 21.54 MiB against 19.93; 2026-11-28). Between the gathers the update holds what is under way.
+        # MLP 4 x 512 with AdamW: 21.54 MiB against 19.93; 2026-11-28).
+        # Between the gathers the update holds what is under way.
         # The second vector is another bucket's: counting the fullest twice,
         # SGD on mlx-lm's Llama 6 x 192 in bfloat16 at MPI N=3 (two buckets
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).

@@ -89,13 +89,14 @@ PLAIN = {"sgd": (0, 1, 40), "adamw": (4, 1.5, 20), "adam": (5, 2, 20), "lion": (
 KEPT_TO_THE_END = {"lion": 1}
 
 #: Optimizers none of whose updates was seen alive at the gather of a flat
-#: bucket alone in its step, which waits for them (:mod:`mlx_fsdp.step`; past
-#: one bucket they are counted): at ring N=2, SGD and Lion on the MLP 4 x 256 peaked at 4.52 MiB,
-#: the gather's buffers alone counted 4.58 (the MLP 6 x 384: 15.23 and
-#: 15.29); AdamW 0.44 MiB above them (5.52 against 5.08), so Adam's, AdamW's
-#: and the others' updates under way are counted there (2026-11-29). Eager
-#: only: compiled, as on a GPU (:mod:`mlx_fsdp.fused`), Lion's update on
-#: that MLP held 0.19 MiB more than the gather's buffers (4.77 MiB).
+#: bucket alone in its step, which waits for them (:mod:`mlx_fsdp.step`;
+#: past one bucket they are counted): at ring N=2, SGD and Lion on the MLP
+#: 4 x 256 peaked at 4.52 MiB, the gather's buffers alone counted 4.58 (the
+#: MLP 6 x 384: 15.23 and 15.29); AdamW 0.44 MiB above them (5.52 against
+#: 5.08), so Adam's, AdamW's and the others' updates under way are counted
+#: there (2026-11-29). Eager only: compiled, as on a GPU
+#: (:mod:`mlx_fsdp.fused`), Lion's update on that MLP held 0.19 MiB more
+#: than the gather's buffers (4.77 MiB).
 NOTHING_AT_OWN_GATHER = ("sgd", "lion")
 
 
