@@ -223,13 +223,13 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     chains, ahead = in_flight(updates, window)
     most = _most(updates, workspace)
     kept = int(KEPT_TO_THE_END.get(optimizer, 0) * sum(u.array for u in updates))
-    tail = 0 if optimizer in NOTHING_AT_OWN_GATHER and eager_cpu else chains + workspace
     # Compiled (MLX_FSDP_FUSED_UPDATE=1 on the CPU), an owner bucket's gather
     # met two updates: Adafactor on the MLP 4 x 256 at ring N=2 peaked at
     # 6.29 MiB, 6.10 counted with one (2026-11-29).
-    last = max((u.live for u in updates), default=0) + workspace if eager_cpu else \
-        chains + workspace
-    return Temporaries(chains + workspace, ahead, most, kept if eager_cpu else 0, tail, last)
+    side = chains + workspace
+    tail = 0 if optimizer in NOTHING_AT_OWN_GATHER and eager_cpu else side
+    last = max((u.live for u in updates), default=0) + workspace if eager_cpu else side
+    return Temporaries(side, ahead, most, kept if eager_cpu else 0, tail, last)
 
 
 def _most(updates: Sequence[Update], workspace: int) -> int:
