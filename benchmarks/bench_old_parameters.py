@@ -4,12 +4,12 @@
 model; an old parameter nothing else references is freed once the
 operations that read it have run. With bfloat16 parameters and float32
 masters the update reads the masters, so the old parameters are gone before
-the new ones are gathered, though the planner counts both (docs/memory-planner.md,
-"Left undone"). This runs the loop users write: ``nn.value_and_grad``,
-``opt.update``, one ``mx.eval`` of the loss, parameters and state, on
-mlx-lm's Llama under ``fsdp_step``, with and without a reference to the old
-parameters kept across each step, and prints each peak (max over ranks and
-steps after the first) beside the planner's, its activations for the batch
+the new ones are gathered. This runs the loop users write:
+``nn.value_and_grad``, ``opt.update``, one ``mx.eval`` of the loss,
+parameters and state, on mlx-lm's Llama under ``fsdp_step``, with and
+without a reference to the old parameters kept across each step, and prints
+each peak (max over ranks and steps after the first) beside the planner's
+(``keeps_old_parameters`` as the loop), its activations for the batch
 included.
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_old_parameters.py
@@ -73,17 +73,19 @@ def main(argv=None):
     if group.rank() == 0:
         print(f"N={group.size()}, mlx-lm llama {a.gpt_layers} x {a.dims}, bfloat16 with float32 "
               f"masters, batch {a.batch_size} x {a.seq_len}; MiB")
-        print("| optimizer | old parameters freed | held | planned |")
-        print("|---|---:|---:|---:|")
+        print("| optimizer | old parameters freed | planned | held | planned, kept |")
+        print("|---|---:|---:|---:|---:|")
     for name in a.optimizers:
         freed, held = peak(args, name, group, False), peak(args, name, group, True)
-        planned = max(r.peak for r in estimate(
+        planned = [max(r.peak for r in estimate(
             plain, name, "fsdp", group.size(), master_dtype="float32", device=default_device(),
             reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
             activations=activation_bytes(bpm.llama_shape(args), a.batch_size, a.seq_len, 2,
-                                         device=default_device())))
+                                         device=default_device()), keeps_old_parameters=kept))
+            for kept in (False, True)]
         if group.rank() == 0:
-            print(f"| {name} | {mib(freed)} | {mib(held)} | {mib(planned)} |", flush=True)
+            print(f"| {name} | {mib(freed)} | {mib(planned[0])} | {mib(held)} | "
+                  f"{mib(planned[1])} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
         device=default_device(),
         reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
         wrap=args.wrap, reshard_after_forward=reshard, every_rank=True, activations=activations,
-        compiled=args.compile,
+        compiled=args.compile, keeps_old_parameters=args.hold_old_parameters,
     )
     mine = predicted[group.rank() if mode != "ddp" else 0]
     per_step = 1 if args.accumulation == "none" else 2
@@ -307,7 +307,7 @@ def parse_args(argv=None):
                    "runs as on a GPU, which MLX does not pace, and the planner counts it so")
     p.add_argument("--hold-old-parameters", action="store_true",
                    help="keep a reference to the old parameters across each step, as a loop "
-                   "that holds them would (the planner counts them so either way)")
+                   "that holds them would, and plan it so (keeps_old_parameters)")
     p.add_argument("--memory-limit", type=parse_size,
                    help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")

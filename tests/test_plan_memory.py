@@ -698,6 +698,37 @@ def test_fsdp_counts_its_pass_apart_from_its_update_on_the_cpu(capsys):
     assert "fsdp: the step, or the pass with the acts, the fuller" in capsys.readouterr().out
 
 
+def test_a_loop_that_keeps_its_old_parameters_counts_them_once_more(capsys):
+    """keeps_old_parameters: every mode's step is counted with the rank's
+    trainable parameters once more, as new parameters (fully_shard: its
+    pieces, in its update), and the pass, where counted apart, without them."""
+    model = shapes.llama(2, 128, 352, 128, 4, 2, tie=False, dtype="float32")
+    trainable = tree_bytes({f"{i}": mx.zeros(a.shape) for i, a in enumerate(model.arrays)})
+    acts = 4 << 20
+    for mode, n in (("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("fsdp", 3), ("fully_shard", 1)):
+        for activations in (0, acts):
+            plain = estimate(model, "adamw", mode, n, device="cpu", activations=activations)
+            kept = estimate(model, "adamw", mode, n, device="cpu", activations=activations,
+                            keeps_old_parameters=True)
+            for p, k in zip(plain, kept):
+                if not activations:
+                    assert k.new_parameters == p.new_parameters + trainable, (mode, n)
+                    assert k.peak == p.peak + trainable
+                # The CPU's fsdp_step counts its pass apart: no new parameters there.
+                assert p.peak < k.peak <= p.peak + trainable, (mode, n)
+    plain = estimate(model, "adamw", "fully_shard", 2, device="cpu", phases=True)
+    kept = estimate(model, "adamw", "fully_shard", 2, device="cpu", phases=True,
+                    keeps_old_parameters=True)
+    for (pb, pu), (kb, ku) in zip(plain, kept):
+        assert kb == pb and ku.new_parameters == pu.new_parameters + pu.gradients
+    fullest = []
+    for flag in ([], ["--keeps-old-parameters"]):
+        main(["--params", "7B", "--ranks", "8", "--mode", "fsdp", "--optimizer", "sgd",
+              "--json", "-", *flag])
+        fullest.append(json.loads(capsys.readouterr().out)["rows"][0]["fullest_rank"])
+    assert fullest[1]["new_parameters"] == fullest[0]["new_parameters"] + fullest[0]["gradients"]
+
+
 def test_cli_shows_what_fully_sharding_saves(capsys):
     main(["--params", "8B", "--dtype", "bfloat16", "--master-dtype", "float32", "--memory",
           "64GiB", "--device", "gpu", "--backend", "jaccl", "--optimizer", "adamw"])
@@ -890,6 +921,36 @@ def test_an_owner_buckets_gather_meets_its_last_update_not_two(tmp_path):
     _bounded_both_ways(rows)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_plain_sgd_through_masters_keeps_its_gradients_upcast(n, tmp_path):
+    """The plain optimizer (ddp_step, and any wrapper on one process) with SGD
+    on the MLP 4 x 512 in bfloat16 with float32 masters: each update queued
+    ahead keeps its gradient's float32 copy too (transient.PLAIN_UPCAST).
+    Without it the step peaked above the plan: 20.04 MiB against 16.53 on
+    one process, 22.04 against 20.10 at ring N=2 (2026-11-29)."""
+    rows = _bench(n, tmp_path, "--models", "mlp", "--dtype", "bfloat16", "--modes", "ddp",
+                  "--optimizers", "sgd")
+    assert len(rows) == 1
+    _bounded_both_ways(rows)
+
+
+def test_a_loop_that_keeps_its_old_parameters_is_bounded_when_planned_so(tmp_path):
+    """A loop that keeps a reference to its old parameters across the step,
+    at ring N=2: the MLP 4 x 512 in bfloat16 with float32 masters, one flat
+    bucket. Its update reads the masters, so in a plain loop the old
+    parameters are freed at once, and the count relied on that room: held,
+    fsdp_step peaked above the plain plan (SGD 14.03 MiB against 12.09,
+    AdamW 21.04 against 19.09), within the plan with keeps_old_parameters
+    (14.09 and 21.09; 2026-11-29)."""
+    rows = _bench(2, tmp_path, "--hold-old-parameters", "--models", "mlp", "--dtype",
+                  "bfloat16", "--modes", "fsdp", "ddp", "--optimizers", "sgd", "adamw")
+    assert len(rows) == 4
+    for r in rows:
+        assert r["equal"] and r["peak_measured"] <= r["peak_predicted"], r
+        if r["mode"] == "fsdp":  # the plan of a plain loop: without the kept parameters
+            assert r["peak_measured"] > r["peak_predicted"] - r["peak_predicted_parts"]["gradients"]
+
+
 def test_owner_buckets_of_transposed_gradients_are_bounded(tmp_path):
     """mlx-lm's Llama 8 x 128 at MPI N=4: Adafactor and Muon keep its
     matrices in owner buckets, whose packing copies every Linear weight's
@@ -1047,18 +1108,19 @@ def test_a_whole_mlx_fsdp_lora_run_stays_below_its_plan(tmp_path):
 
 
 def test_a_loop_holding_its_old_parameters_stays_below_the_bound(tmp_path):
-    """The planner counts the old parameters beside the gathered new ones,
-    for a loop that keeps a reference to them across the step. With
-    bfloat16 parameters and float32 masters the update never reads them, so
-    only such a loop holds them: the step peaked about one parameter set
-    higher so (mlx-lm's Llama 6 x 192 at MPI N=3, SGD, 2026-11-28: 26.01
-    against 21.06 MiB, 26.47 planned)."""
+    """With bfloat16 parameters and float32 masters the update never reads
+    the old parameters, so only a loop that keeps a reference to them holds
+    them: the step peaked about one parameter set higher so (mlx-lm's Llama
+    6 x 192 at MPI N=3, SGD, 2026-11-28: 26.01 against 21.06 MiB), and is
+    planned with them (keeps_old_parameters), each loop below its plan."""
     pytest.importorskip("mlx_lm")
     args = ("--models", "llama", "--dims", "192", "--gpt-layers", "3", "--dtype", "bfloat16",
             "--modes", "fsdp", "--optimizers", "sgd")
     free, = _bench(2, tmp_path, *args)
     held, = _bench(2, tmp_path, *args, "--hold-old-parameters")
-    assert held["peak_predicted"] == free["peak_predicted"]
+    kept = held["peak_predicted_parts"]["gradients"]  # the trainable parameters' bytes
+    assert held["peak_predicted"] == free["peak_predicted"] + kept
+    assert free["peak_measured"] <= free["peak_predicted"], free
     assert free["peak_measured"] < held["peak_measured"] <= held["peak_predicted"], (free, held)
 
 

@@ -96,18 +96,21 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                  accumulation: str, reduce_scatter: Optional[str], wrap: str,
                  reshard_after_forward: bool, every_rank: bool = False, device: str = "cpu",
                  activations: int = 0, compiled: bool = False, phases: bool = False,
-                 budget: Optional[int] = None) -> list:
+                 budget: Optional[int] = None, keeps_old_parameters: bool = False) -> list:
     """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
 
     ``floating``: ``(path, array)`` of every floating array, frozen ones
     (a quantized layer's scales) included, which ``fully_shard`` shards too.
-    ``compiled``, ``phases``, ``budget``: see :func:`estimate_ranks`.
+    ``compiled``, ``phases``, ``budget``, ``keeps_old_parameters``: see
+    :func:`estimate_ranks`.
     """
     if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
         trained = set(trainable)
         flat = [(p, a) for p, a in floating if p in trained]
-        return [replace(ddp_memory(name, flat, param_bytes, 1, communication_size,
-                                   master_dtype, accumulation, device), activations=activations)]
+        one = ddp_memory(name, flat, param_bytes, 1, communication_size, master_dtype,
+                         accumulation, device)
+        kept = tree_bytes(dict(flat)) if keeps_old_parameters else 0
+        return [replace(one, new_parameters=one.new_parameters + kept, activations=activations)]
     make_optimizer = lambda: optimizers.make(name)  # noqa: E731
     whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
     units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
@@ -131,7 +134,9 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         backward = dict(common, communication=units.communication, new_parameters=0,
                         gathered=units.gathered + spare[0],
                         full_gradients=units.full_gradients + spare[1])
-        update = dict(common, communication=grads, new_parameters=held["largest"])
+        # Kept, the rank's old trainable pieces (as many bytes as its gradients).
+        update = dict(common, communication=grads,
+                      new_parameters=held["largest"] + (grads if keeps_old_parameters else 0))
         if phases or apart:  # each alone: the pass's activations, the update's temporaries
             pair = (RankMemory(**backward, activations=activations),
                     RankMemory(**update, temporaries=temps))
@@ -163,6 +168,7 @@ def estimate_ranks(
     compiled: bool = False,
     phases: bool = False,
     budget: Optional[int] = None,
+    keeps_old_parameters: bool = False,
 ) -> list:
     """The bytes every rank holds in one configuration.
 
@@ -208,6 +214,14 @@ def estimate_ranks(
         budget (int, optional): Bytes; stop at the first rank whose peak
             exceeds them (``fsdp_step`` and ``fully_shard``): a search for
             what fits needs no more. Default: ``None`` (every rank).
+        keeps_old_parameters (bool): The training loop keeps a reference to
+            the parameters across ``opt.update`` (``params =
+            model.parameters()`` alive through the step's ``mx.eval``), so
+            none is freed as its update reads it, or, with masters, at
+            once: the step is counted with the rank's trainable parameters
+            once more, as new parameters. Default: ``False`` (a loop of
+            ``value_and_grad``, ``opt.update`` and ``mx.eval``, as mlx-lm's
+            trainer).
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
@@ -232,18 +246,26 @@ def estimate_ranks(
                          "two phases counted apart; drop phases or plan fully_shard.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-                  activations, compiled, phases, budget)
+                  activations, compiled, phases, budget, keeps_old_parameters)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-           activations, compiled, phases=False, budget=None):
+           activations, compiled, phases=False, budget=None, keeps_old_parameters=False):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
         communication_size = default_communication_size(mode, device)
     flat, param_bytes = shape_only(model, dtype)
     master = None if master_dtype is None else getattr(mx, master_dtype)
+    # Kept, the old parameters are held beside everything the step allocates,
+    # and nothing else the step holds changes: their bytes bound what keeping
+    # them adds. Counted with every gathered vector instead of them, as
+    # fsdp_step's phases would have it, a lone flat bucket's step peaked above
+    # the plan: there the freed old parameters had made room for the updates'
+    # temporaries (SGD on the MLP 4 x 512 in bfloat16 at ring N=2: 14.03 MiB
+    # against 12.09, 2026-11-29).
+    kept = tree_bytes(dict(flat)) if keeps_old_parameters else 0
     if mode in ("ddp", "fsdp"):  # activations on top; fully_shard weighs them itself
         if mode == "ddp":
             local = "none" if accumulation == "none" else "local"
@@ -253,7 +275,8 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, device, compiled,
                                 {a.path: a.transposed for a in model.arrays}, budget)
-        return [with_pass(r, activations, mode, device, world_size) for r in ranks]
+        return [with_pass(replace(r, new_parameters=r.new_parameters + kept), activations, mode,
+                          device, world_size) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))
@@ -261,4 +284,4 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
                         reshard_after_forward, every_rank, device, activations, compiled,
-                        phases, budget)
+                        phases, budget, keeps_old_parameters)

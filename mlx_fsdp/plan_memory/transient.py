@@ -80,6 +80,27 @@ PLAIN = {"sgd": (0, 1, 40), "adamw": (4, 1.5, 20), "adam": (5, 2, 20), "lion": (
          "adafactor": (1.5, 3, 16), "muon": (2, 1, None)}
 
 
+#: Optimizers whose plain eager update, through a master copy, keeps the
+#: gradient's copy in the master dtype too, beyond :data:`PLAIN`'s arrays
+#: (measured on float32): SGD's momentum arithmetic has nothing to take its
+#: buffer over from in time. The MLP 4 x 512 in bfloat16 with float32 masters
+#: (2026-11-29) peaked at 20.04 MiB on one process, 16.53 counted without it;
+#: at ring N=2 and MPI N=4 1.10x and 1.09x above. The others' counts held it.
+PLAIN_UPCAST = ("sgd",)
+
+#: :data:`PLAIN` where the updates run through master copies (the others as
+#: there). The update then works on the gradient's float32 copy, which
+#: nothing else holds, so MLX writes into it where the float32 update must
+#: allocate: with the float32 constants, 96 points of ``ddp_step`` and of
+#: one process in bfloat16 (2026-11-29) read up to 1.38x (AdamW), 1.33x
+#: (Adam), 1.60x (Lion) and 1.55x (Muon). These are the least of a grid
+#: that covered all 96 with 2% to spare, keeping each optimizer's run
+#: (1.05-1.11x, 1.05-1.18x, 1.12-1.32x, 1.12-1.30x; Muon's one array per
+#: array halved, not dropped as the fit allowed: no deeper model was
+#: measured). 48 points of other shapes measured after: 1.02-1.40x.
+PLAIN_MASTER = {"adamw": (2, 1, 20), "adam": (2, 2, 20), "lion": (4, 1, None),
+                "muon": (1.5, 0.5, None)}
+
 #: Arrays of a piece's size Lion keeps from its update to the step's end in
 #: ``fsdp_step`` on the CPU: its new moment does not feed its new
 #: parameter, and MLX evaluates the state after the new parameters (the
@@ -212,8 +233,11 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     workspace = matmul_workspace(optimizer, device)
     eager_cpu = device == "cpu" and not (compiled or traced)
     if whole_arrays and eager_cpu:
-        most = _most(updates, workspace)
-        plain = min(most, plain_window(updates, *PLAIN[optimizer]))
+        upcasts = in_flight([u._replace(total=u.upcast) for u in updates])[1] \
+            if optimizer in PLAIN_UPCAST else 0  # of the updates queued ahead
+        most = _most(updates, workspace) + upcasts
+        table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
+        plain = min(most, plain_window(updates, *table.get(optimizer, PLAIN[optimizer])) + upcasts)
         queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
         return Temporaries(plain - queued, queued, most)
     kernels = traced or (device == "gpu" and compiled and whole_arrays)  # module docstring

@@ -101,6 +101,7 @@ class Update(NamedTuple):
     ops: int
     kernels: int
     array: int = 0  #: bytes of one array of the update's size, in the dtype it runs in
+    upcast: int = 0  #: bytes of the gradient's copy in the master dtype (0: no master)
 
 
 def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int,
@@ -127,6 +128,7 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
     # MLX reuses its buffer, where a float32 update must leave the caller's
     # gradient alone and allocates that temporary anyway.
     cast = n * param_size if master_size else 0
+    upcast = n * size if master_size else 0
     ops, kernels = (MASTER_OPS, 1) if master_size else (0, 0)
     matrix = len(shape) == 2 and n > 0
     if optimizer == "muon" and matrix and muon_filter(path, _Shape(shape)):
@@ -139,14 +141,14 @@ def update_cost(optimizer: str, path: str, shape: Sequence[int], param_size: int
         total = (11 + 2 * (rows > cols)) * n + 10 * k * k
         live = 3 * n + 3 * k * k
         return Update(total * size + cast, live * size + cast, MUON_OPS + ops,
-                      MUON_KERNELS + kernels, n * size)
+                      MUON_KERNELS + kernels, n * size, upcast)
     name = "adamw" if optimizer == "muon" else optimizer
     profile = ADAFACTOR_MATRIX if name == "adafactor" and matrix else PROFILES[name]
     if compiled and name in COMPILED_TOTAL:
         most = max(profile.total, COMPILED_TOTAL[name])
         profile = profile._replace(total=most, live=max(profile.live, most))
     return Update(int(profile.total * n * size) + cast, int(profile.live * n * size) + cast,
-                  profile.ops + ops, profile.kernels + kernels, n * size)
+                  profile.ops + ops, profile.kernels + kernels, n * size, upcast)
 
 
 class _Shape(NamedTuple):
