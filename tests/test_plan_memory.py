@@ -934,6 +934,18 @@ def test_plain_sgd_through_masters_keeps_its_gradients_upcast(n, tmp_path):
     _bounded_both_ways(rows)
 
 
+def test_sharded_accumulation_through_masters_is_bounded(tmp_path):
+    """fsdp_step with sharded accumulation in bfloat16 with float32 masters
+    at MPI N=3: Adafactor on the MLP 4 x 256 (two matrices in rank 0's owner
+    bucket) peaked at 5.01 MiB, 4.89 planned before the sum of the carried
+    and the new pieces was counted beside them (2026-11-29)."""
+    rows = _bench(3, tmp_path, "--models", "mlp", "--hidden", "256", "--dtype", "bfloat16",
+                  "--modes", "fsdp", "--accumulation", "sharded", "--optimizers", "adafactor",
+                  "sgd")
+    assert len(rows) == 2
+    _bounded_both_ways(rows)
+
+
 def test_a_loop_that_keeps_its_old_parameters_is_bounded_when_planned_so(tmp_path):
     """A loop that keeps a reference to its old parameters across the step,
     at ring N=2: the MLP 4 x 512 in bfloat16 with float32 masters, one flat
