@@ -727,6 +727,9 @@ def test_a_loop_that_keeps_its_old_parameters_counts_them_once_more(capsys):
               "--json", "-", *flag])
         fullest.append(json.loads(capsys.readouterr().out)["rows"][0]["fullest_rank"])
     assert fullest[1]["new_parameters"] == fullest[0]["new_parameters"] + fullest[0]["gradients"]
+    main(["--params", "7B", "--ranks", "8", "--mode", "fsdp", "--optimizer", "sgd",
+          "--keeps-old-parameters"])
+    assert "accumulation none, a loop that keeps its old parameters" in capsys.readouterr().out
 
 
 def test_cli_shows_what_fully_sharding_saves(capsys):

@@ -18,7 +18,7 @@ def render(model: shapes.Model, args, results, needed, resharded) -> str:
         f"{len(model.arrays)} arrays, {gib(total)} GiB ({'/'.join(dtypes)})",
         f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
         f"{_buckets(args)}",
-        f"masters {args.master_dtype}, accumulation {args.accumulation}"
+        f"masters {args.master_dtype}, accumulation {args.accumulation}" + _loop(args)
         + ("" if args.memory is None else f", memory {gib(args.memory)} GiB per rank"),
     ] + header_tail(args)
     for name in args.optimizer:
@@ -28,6 +28,11 @@ def render(model: shapes.Model, args, results, needed, resharded) -> str:
         if needed:
             out.append(_needed_line(results[name], needed, name, args.memory))
     return "\n".join(out)
+
+
+def _loop(args) -> str:
+    """What the header says of a loop that keeps its old parameters (--keeps-old-parameters)."""
+    return ", a loop that keeps its old parameters" if args.keeps_old_parameters else ""
 
 
 def header_tail(args) -> list:
@@ -132,7 +137,7 @@ def render_fit(fields: dict, args, fits: dict) -> str:
         f"{fit.layer_parameters(fields) / 1e6:.1f}M parameters a layer",
         f"{args.device.upper()}, {args.backend} ({_reduce_scatter(args.backend)}), "
         f"{_buckets(args)}",
-        f"masters {args.master_dtype}, accumulation {args.accumulation}",
+        f"masters {args.master_dtype}, accumulation {args.accumulation}" + _loop(args),
     ] + header_tail(args)
     for name in args.optimizer:
         found = fits[name]
