@@ -23,9 +23,11 @@ them): its peak is in the backward pass, where the gathered parameters live.
 Each rank's parameter and gradient bytes are checked too; the planner's
 activations for the MLP and the GPT (not Llama-shaped) are measured on the
 unwrapped model's forward and backward pass (``activations_of``: what its
-forward pass keeps, or its peak less its gradients, the fuller) and given
-to it; a Llama's are the planner's own count for its batch (``--batch-size``
-x ``--seq-len``), so its points check the whole plan.
+forward pass keeps, or its peak less its gradients, the fuller; with every
+block under ``mx.checkpoint`` where the blocks are resharded, which
+recompute theirs, as the planner counts them) and given to it, the MLP's
+input in the model's dtype; a Llama's are the planner's own count for its
+batch (``--batch-size`` x ``--seq-len``), so its points check the whole plan.
 With ``--compile`` the step (``fully_shard`` or ``fsdp``) is compiled whole
 with ``mx.compile``, its model and optimizer state as inputs and outputs,
 as mlx-lm's trainer (and so ``python -m mlx_fsdp.lora``) runs it.
@@ -98,11 +100,19 @@ def llama_shape(args) -> Shape:
     return Shape(args.gpt_layers, args.dims, 11 * args.dims // 4, VOCAB, 4, 2)
 
 
-def loss_of(model, name: str, rank: int, args):
-    """This rank's loss function on fixed inputs (of the model before wrapping)."""
+def loss_of(model, name: str, rank: int, args, own_dtype: bool = False):
+    """This rank's loss function on fixed inputs (of the model before wrapping).
+
+    ``own_dtype``: the MLP's input in the model's dtype, as a model's own
+    pass feeds its layers (fully sharded points): a float32 input to a
+    bfloat16 MLP runs its whole pass in float32 and casts every gradient
+    back, which its unwrapped pass (``activations_of``) holds for every
+    layer at once.
+    """
     key = mx.random.key(100 + rank)
     if name == "mlp":
         x = mx.random.normal((8, model.layers[0].weight.shape[1]), key=key)
+        x = x.astype(model.layers[0].weight.dtype) if own_dtype else x
         return lambda m: (m(x).astype(mx.float32) ** 2).mean()
     tokens = mx.random.randint(0, VOCAB, (args.batch_size, args.seq_len + 1), key=key)
     return lambda m: lm_loss(m, tokens[:, :-1], tokens[:, 1:])
@@ -146,6 +156,35 @@ def activations_of(model, loss) -> int:
     return worst
 
 
+class _Checkpointed(nn.Module):
+    """A block under ``mx.checkpoint`` (``nn.utils.checkpoint``)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return nn.utils.checkpoint(self.module)(*args, **kwargs)
+
+
+def pass_activations(model, name: str, loss, recomputed: bool) -> int:
+    """``activations_of(model, loss)``; with ``recomputed``, of the model with every
+    block under ``mx.checkpoint``: the planner counts blocks resharded after
+    their forward pass as checkpointed (``pass_of``), since ``fully_shard``
+    recomputes them in the backward pass."""
+    if not recomputed:
+        return activations_of(model, loss)
+    blocks = model.blocks if name == "gpt" else model.layers
+    kept = list(blocks)
+    for i in range(len(blocks)):
+        blocks[i] = _Checkpointed(blocks[i])
+    try:
+        return activations_of(model, loss)
+    finally:
+        for i, block in enumerate(kept):
+            blocks[i] = block
+
+
 def fully_shard(model, name: str, optimizer, reshard: bool, args, group):
     """``model`` wrapped as the planner's ``--wrap`` says, placed for ``optimizer``."""
     kwargs = dict(group=group, placement=optimizer)
@@ -164,6 +203,8 @@ def wrapper(optimizer, mode: str, args, group):
     kwargs = dict(group=group, master_dtype=mx.float32 if args.dtype != "float32" else None)
     if args.communication_size is not None:
         kwargs["communication_size"] = args.communication_size
+    if args.max_norm is not None:
+        kwargs["max_norm"] = args.max_norm
     if args.accumulation != "none":
         kwargs["grad_accumulation_steps"] = 2
         if mode != "ddp":
@@ -213,9 +254,11 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     fully = mode == "fully_shard"
     activations = 0
     if fully:
-        loss = loss_of(model, model_name, group.rank(), args)
+        loss = loss_of(model, model_name, group.rank(), args, own_dtype=True)
         # A Llama's activations are the planner's own count, as a user's plan has them.
-        activations = (activations_of(model, loss) if model_name != "llama" else
+        recomputed = reshard and args.wrap == "blocks" and group.size() > 1
+        activations = (pass_activations(model, model_name, loss, recomputed)
+                       if model_name != "llama" else
                        activation_bytes(llama_shape(args), args.batch_size, args.seq_len,
                                         getattr(mx, args.dtype).size, device=default_device(),
                                         **pass_of(mode, args.wrap, reshard, args.compile,
@@ -226,16 +269,21 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     else:
         fixed = gradients(model, model_name, group.rank(), args)
     opt = wrapper(inner, mode, args, group)
-    predicted = estimate(
-        plain, optimizer, mode, group.size(),
+    options = dict(
         master_dtype="float32" if args.dtype != "float32" else None,
         communication_size=args.communication_size, accumulation=args.accumulation,
         device=default_device(),
         reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
         wrap=args.wrap, reshard_after_forward=reshard, every_rank=True, activations=activations,
         compiled=args.compile, keeps_old_parameters=args.hold_old_parameters,
+        max_norm=args.max_norm,
     )
+    predicted = estimate(plain, optimizer, mode, group.size(), **options)
     mine = predicted[group.rank() if mode != "ddp" else 0]
+    # What the rank holds of gradients: fully sharded, its pass may peak
+    # before any has come, so they are the update's.
+    held_gradients = estimate(plain, optimizer, mode, group.size(), phases=True, **options)[
+        group.rank()][1].gradients if fully and group.size() > 1 else mine.gradients
     per_step = 1 if args.accumulation == "none" else 2
     peak = 0
     # Fully sharded gradients are shaped like what the rank holds (fully_shard's contract).
@@ -263,7 +311,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
                     tree_bytes(opt.state.get("master", {})), mine.masters,
                     accumulated, mine.accumulation, tree_bytes(model.parameters()) + padding,
-                    mine.parameters, grad_bytes, mine.gradients, peak], mx.int64)
+                    mine.parameters, grad_bytes, held_gradients, peak], mx.int64)
     rows = mx.distributed.all_gather(row[None], group=group).tolist()
     del model, opt
     gc.collect()
@@ -308,6 +356,9 @@ def parse_args(argv=None):
     p.add_argument("--hold-old-parameters", action="store_true",
                    help="keep a reference to the old parameters across each step, as a loop "
                    "that holds them would, and plan it so (keeps_old_parameters)")
+    p.add_argument("--max-norm", type=float,
+                   help="clip the gradients by their global norm (the wrapper's max_norm), and plan "
+                   "it so")
     p.add_argument("--memory-limit", type=parse_size,
                    help="mx.set_memory_limit for the run, e.g. 1MiB (default: MLX's own)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")

@@ -19,7 +19,7 @@ backward pass (``mlx_fsdp/pace.py``), so the step's peak is about the
 fuller phase's, and the planner's peak is the fuller phase's count: each
 phase's count must be above its measurement (the pass counts one block
 more than it keeps where its activations are small,
-``mlx_fsdp.plan_memory.phases.pass_spare``). Accumulation, masters other
+``mlx_fsdp.plan_memory.backward.pass_spare``). Accumulation, masters other
 than the bfloat16 points' float32 ones and ``--compile`` are not taken
 apart here.
 
@@ -62,8 +62,9 @@ def measure(model_name: str, optimizer: str, reshard: bool, args, group) -> dict
     model = bpm.build(model_name, args)
     plain = shapes.from_tree(model, model_name)
     inner = optimizers.make(optimizer)
-    loss = bpm.loss_of(model, model_name, group.rank(), args)
-    activations = bpm.activations_of(model, loss)
+    loss = bpm.loss_of(model, model_name, group.rank(), args, own_dtype=True)
+    activations = bpm.pass_activations(model, model_name, loss,
+                                       reshard and args.wrap == "blocks" and group.size() > 1)
     model = bpm.fully_shard(model, model_name, inner, reshard, args, group)
     value_and_grad = nn.value_and_grad(model, loss)
     opt = bpm.wrapper(inner, "fully_shard", args, group)

@@ -86,6 +86,9 @@ def parse_args(argv=None):
     g.add_argument("--keeps-old-parameters", action="store_true",
                    help="the training loop keeps a reference to the parameters across "
                    "opt.update, so fsdp_step's gathers come beside them (default: a plain loop)")
+    g.add_argument("--max-norm", type=float, metavar="NORM",
+                   help="the wrapper's max_norm: the gradients are clipped by their global "
+                   "norm, and its copies counted (default: no clipping)")
     g.add_argument("--fine-tune-type", choices=("full", "lora"), default="full",
                    help="full: train every parameter; lora: freeze the model and train "
                    "adapters in its last --num-layers blocks, as mlx_lm.lora (default full)")
@@ -196,7 +199,8 @@ def options_of(args) -> dict:
                 reduce_scatter=BACKENDS[args.backend],
                 master_dtype=None if args.master_dtype == "none" else args.master_dtype,
                 wrap=args.wrap, reshard_after_forward=args.reshard_after_forward,
-                compiled=args.compiled, keeps_old_parameters=args.keeps_old_parameters)
+                compiled=args.compiled, keeps_old_parameters=args.keeps_old_parameters,
+                max_norm=args.max_norm)
 
 
 def plan(model: shapes.Model, args):

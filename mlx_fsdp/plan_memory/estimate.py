@@ -38,16 +38,15 @@ The **peak** is their sum, an upper bound of one step (``benchmarks/bench_plan_m
 
 import math
 from dataclasses import replace
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..fused import use_fused_updates
-from . import fully, optimizers
-from .phases import pass_spare, phases_apart, update_during_backward, with_pass
-from .transient import temporaries
-from .buffers import default_communication_size, default_device, resolve_reduce_scatter
-from .parts import RankMemory, tree_bytes
+from . import optimizers
+from .buffers import default_communication_size, default_device
+from .fully_ranks import fully_memory
+from .parts import RankMemory, tree_bytes  # noqa: F401 (RankMemory: re-exported)
+from .phases import with_pass
 from .shapes import Model
 from .wrappers import ddp_memory, fsdp_memory
 
@@ -91,64 +90,6 @@ def shape_only(model: Model, dtype: Optional[str] = None) -> Tuple[List[tuple], 
     return trainable, total
 
 
-def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
-                 world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
-                 accumulation: str, reduce_scatter: Optional[str], wrap: str,
-                 reshard_after_forward: bool, every_rank: bool = False, device: str = "cpu",
-                 activations: int = 0, compiled: bool = False, phases: bool = False,
-                 budget: Optional[int] = None, keeps_old_parameters: bool = False) -> list:
-    """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
-
-    ``floating``: ``(path, array)`` of every floating array, frozen ones
-    (a quantized layer's scales) included, which ``fully_shard`` shards too.
-    ``compiled``, ``phases``, ``budget``, ``keeps_old_parameters``: see
-    :func:`estimate_ranks`.
-    """
-    if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
-        trained = set(trainable)
-        flat = [(p, a) for p, a in floating if p in trained]
-        one = ddp_memory(name, flat, param_bytes, 1, communication_size, master_dtype,
-                         accumulation, device)
-        kept = tree_bytes(dict(flat)) if keeps_old_parameters else 0
-        return [replace(one, new_parameters=one.new_parameters + kept, activations=activations)]
-    make_optimizer = lambda: optimizers.make(name)  # noqa: E731
-    whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
-    units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
-                      wrap, reshard_after_forward,
-                      resolve_reduce_scatter(reduce_scatter, world_size), device)
-    # Rank 0 holds the most rows of every array: only owners make another rank fuller.
-    owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
-    out = []
-    for rank in range(world_size) if owned or every_rank else [0]:
-        if budget is not None and out and not phases and out[-1].peak > budget:
-            break
-        held = fully.rank_bytes(units, make_optimizer(), rank, master_dtype)
-        grads = held["gradients"]
-        common = dict(parameters=whole + held["parameters"], gradients=grads,
-                      accumulation=0 if accumulation == "none" else grads,
-                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
-        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device),
-                            device, traced=compiled)
-        apart = phases_apart(device, compiled)
-        spare = pass_spare(units, activations) if apart else (0, 0)
-        backward = dict(common, communication=units.communication, new_parameters=0,
-                        gathered=units.gathered + spare[0],
-                        full_gradients=units.full_gradients + spare[1])
-        # Kept, the rank's old trainable pieces (as many bytes as its gradients).
-        update = dict(common, communication=grads,
-                      new_parameters=held["largest"] + (grads if keeps_old_parameters else 0))
-        if phases or apart:  # each alone: the pass's activations, the update's temporaries
-            pair = (RankMemory(**backward, activations=activations),
-                    RankMemory(**update, temporaries=temps))
-            out.append(pair if phases else max(pair, key=lambda r: r.peak))
-            continue
-        backward.update(update_during_backward(device, held, grads, units, rank))
-        out.append(max(RankMemory(**backward, temporaries=temps, activations=activations),
-                       RankMemory(**update, temporaries=temps, activations=activations),
-                       key=lambda r: r.peak))  # a tie: the backward pass
-    return out
-
-
 def estimate_ranks(
     model: Model,
     optimizer: str,
@@ -169,6 +110,7 @@ def estimate_ranks(
     phases: bool = False,
     budget: Optional[int] = None,
     keeps_old_parameters: bool = False,
+    max_norm: Optional[float] = None,
 ) -> list:
     """The bytes every rank holds in one configuration.
 
@@ -222,6 +164,11 @@ def estimate_ranks(
             once more, as new parameters. Default: ``False`` (a loop of
             ``value_and_grad``, ``opt.update`` and ``mx.eval``, as mlx-lm's
             trainer).
+        max_norm (float, optional): As the wrappers' ``max_norm``: the
+            gradients are clipped by their global norm, and the clipped
+            copies and the norm's squares are counted in the update
+            (:mod:`mlx_fsdp.plan_memory.clipping`); only whether it is set
+            matters. Default: ``None`` (no clipping).
 
     Returns:
         list[RankMemory]: One per rank (DDP: one, all ranks are alike;
@@ -240,18 +187,23 @@ def estimate_ranks(
         raise ValueError(f"activations={activations!r} must be a byte count >= 0.")
     if budget is not None and (not isinstance(budget, int) or budget < 0):
         raise ValueError(f"budget={budget!r} must be a byte count >= 0, or None for every rank.")
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm={max_norm!r} must be a number > 0, as the wrappers take "
+                         "it, or None when the gradients are not clipped.")
     if phases and (mode != "fully_shard" or world_size == 1):
         raise ValueError(f"phases=True needs mode='fully_shard' at world_size > 1, not "
                          f"mode={mode!r} at world_size={world_size}: only there are the "
                          "two phases counted apart; drop phases or plan fully_shard.")
     return _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
                   accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-                  activations, compiled, phases, budget, keeps_old_parameters)
+                  activations, compiled, phases, budget, keeps_old_parameters,
+                  max_norm is not None)
 
 
 def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communication_size,
            accumulation, device, reduce_scatter, wrap, reshard_after_forward, every_rank,
-           activations, compiled, phases=False, budget=None, keeps_old_parameters=False):
+           activations, compiled, phases=False, budget=None, keeps_old_parameters=False,
+           clipped=False):
     optimizers.make(optimizer)
     device = device or default_device()
     if communication_size is None:
@@ -270,11 +222,11 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
         if mode == "ddp":
             local = "none" if accumulation == "none" else "local"
             ranks = [ddp_memory(optimizer, flat, param_bytes, world_size,
-                                communication_size, master, local, device)]
+                                communication_size, master, local, device, clipped)]
         else:
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, device, compiled,
-                                {a.path: a.transposed for a in model.arrays}, budget)
+                                {a.path: a.transposed for a in model.arrays}, budget, clipped)
         return [with_pass(replace(r, new_parameters=r.new_parameters + kept), activations, mode,
                           device, world_size) for r in ranks]
     trained = dict(flat)
@@ -284,4 +236,4 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
     return fully_memory(optimizer, floating, list(trained), param_bytes, world_size,
                         communication_size, master, accumulation, reduce_scatter, wrap,
                         reshard_after_forward, every_rank, device, activations, compiled,
-                        phases, budget, keeps_old_parameters)
+                        phases, budget, keeps_old_parameters, clipped)

@@ -65,7 +65,7 @@ WRAPS = ("blocks", "model")
 #: With ``reshard_after_forward``, the blocks whose gathered parameters and full
 #: gradients are counted alive at once, by device (see :func:`cut`). On the CPU,
 #: where evaluation is paced at every block (:mod:`mlx_fsdp.pace`), one, and
-#: one more for the pass alone (:func:`mlx_fsdp.plan_memory.phases.pass_spare`);
+#: one more for the pass alone (:func:`mlx_fsdp.plan_memory.backward.pass_spare`);
 #: three before the pacing. On a GPU it is not measured, and the count from
 #: before the pacing stands.
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
@@ -124,8 +124,11 @@ class Units(NamedTuple):
         communication (int): Reduce-scatter buffers of the largest bucket.
         spare (tuple): ``(gathered, full gradients)`` of one more block, the
             largest: what the CPU's pass alone was measured to hold beyond
-            the count (:func:`mlx_fsdp.plan_memory.phases.pass_spare`).
+            the count (:func:`mlx_fsdp.plan_memory.backward.pass_spare`).
         resharded (bool): Blocks are counted resharded after their forward pass.
+        last (int): Bytes of the full parameters alive at the backward pass's
+            end, beside every sharded gradient: the root's and one block's
+            (its vector's too), or, resharded, ``gathered``.
     """
 
     plans: list
@@ -136,6 +139,7 @@ class Units(NamedTuple):
     communication: int
     spare: Tuple[int, int]
     resharded: bool
+    last: int
 
 
 def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
@@ -178,6 +182,12 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     else:  # what the gathers keep, and one gather's vector
         alive = sum(kept for _, kept, _ in gathered) + max((extra for _, _, extra in gathered),
                                                          default=0)
+    # Blocks not resharded free their parameters one by one in the backward
+    # pass as their sharded gradients come: at its end the root's and one
+    # block's are left (mlx_fsdp.plan_memory.backward.pass_walk).
+    last = alive if ahead else sum(kept for prefix, kept, _ in gathered if not prefix) + \
+        max((kept for prefix, kept, _ in gathered if prefix), default=0) + \
+        max((extra for _, _, extra in gathered), default=0)
     grads = {prefix: sum(flat[i][1].nbytes for i in indices if flat[i][0] in trained)
              for prefix, indices in parts}
     spare = max(((sum(flat[i][1].nbytes for i in indices), grads[prefix])
@@ -197,7 +207,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
     step = model_plan(flat_grads, [a for _, a in flat_grads], optimizer, world_size, 0, None,
                       modules)
-    return Units(plans, trained, step, alive, full, comm, spare, bool(ahead))
+    return Units(plans, trained, step, alive, full, comm, spare, bool(ahead), min(last, alive))
 
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:

@@ -12,10 +12,10 @@ before it (:mod:`mlx_fsdp.pace`), on a GPU nothing holds it back.
 from dataclasses import replace
 from typing import Optional, Sequence, Tuple
 
-from .. import layout, pace
-from .fully import BLOCKS_ALIVE, Units
-from .parts import RankMemory, tree_bytes
+from .. import pace
+from .parts import RankMemory
 from .buffers import DdpBuffers, fullest_gather
+from .clipping import Clip
 from .sharding import BucketBytes
 from .transient import IN_FLIGHT_OPS, Temporaries
 
@@ -25,7 +25,8 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
 
     On the CPU the step's update waits for the whole backward pass
     (:func:`mlx_fsdp.pace.after_queue`), so each phase is counted alone: the
-    pass with the activations (and :func:`pass_spare`), the update with the
+    pass with the activations (and
+    :func:`~mlx_fsdp.plan_memory.backward.pass_spare`), the update with the
     temporaries. On a GPU, unpaced, both phases count both, and so does a
     step compiled whole (measured on the CPU: there they met).
     """
@@ -68,7 +69,8 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
 def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: int,
                  buckets: Sequence[BucketBytes], device: str,
                  gathers_wait: bool = False, compiled: bool = False,
-                 split: Optional[Tuple[Temporaries, Temporaries]] = None) -> RankMemory:
+                 split: Optional[Tuple[Temporaries, Temporaries]] = None,
+                 clip: Clip = Clip()) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
@@ -85,6 +87,10 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     ``split``: the temporaries of the fullest gather's bucket's own updates,
     and of every other bucket's, whose ``kept`` meets every gather.
     Default: ``None`` (every update counted beside the gather).
+    ``clip``: what clipping holds (:mod:`~mlx_fsdp.plan_memory.clipping`):
+    its copies in every phase of the update, and a phase of its own before
+    it, the norm's, with the reduced pieces and the updates queued ahead.
+    Default: ``Clip()`` (no clipping).
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
@@ -111,15 +117,16 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     (red, red_new), (gat, gat_new) = buffers
     if not phases_apart(device, compiled):
         whole = temporaries.together + pieces + max((b.vector for b in buckets), default=0) \
-            + SMALL_ARRAYS
+            + SMALL_ARRAYS + clip.copies + clip.norm
         return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
                     replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
                    key=lambda r: r.peak)
     chains = pace.QUEUE_DEPTH * 4 * (1 + (len(buckets) if gathers_wait else 0)) + SMALL_ARRAYS
+    late = clip.copies  # in every phase of the update
     meets = temporaries.together  # without a split, every update beside the gather
     # What the other buckets' updates keep to the step's end meets every
     # gather (transient.KEPT_TO_THE_END).
-    late = split[1].kept if split else 0
+    late += split[1].kept if split else 0
     if split:
         # An owner bucket's gather follows its own updates' last operations:
         # it meets their tail (the last update under way or what is queued
@@ -184,11 +191,14 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                               new_parameters=second if many else 0,
                               temporaries=chains + late + temporaries.side))
     phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
+    if clip.copies:  # the norm's squares, after the last reduce-scatter, before any update
+        phases.append(replace(common, communication=pieces, new_parameters=0,
+                              temporaries=chains + clip.copies + clip.norm))
     return max(phases, key=lambda r: r.peak)
 
 
 def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporaries,
-                device: str) -> RankMemory:
+                device: str, clip: Clip = Clip()) -> RankMemory:
     """One ``ddp_step`` rank at its fullest phase: packing its gradients, or updating.
 
     With one group (``average_gradients``' default 32 MiB holds the model) on
@@ -199,11 +209,13 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     ring N=2 read 1.34x (10.10 MiB planned, 7.53 measured; 2026-11-28).
     With several groups a group's updates can run while the next is
     packed, and on a GPU the copies' buffers live until their command
-    buffer finishes: both are counted at once.
+    buffer finishes: both are counted at once. ``clip``: what clipping holds
+    (:mod:`~mlx_fsdp.plan_memory.clipping`), after the averaging.
+    Default: ``Clip()`` (no clipping).
     """
     both = replace(common, communication=buffers.averaged + buffers.packing,
                    new_parameters=buffers.new_parameters,
-                   temporaries=temporaries.side + temporaries.ahead)
+                   temporaries=clip.with_update(temporaries.side + temporaries.ahead))
     if device != "cpu" or buffers.groups != 1:
         return both
     # The step's small arrays (:data:`SMALL_ARRAYS`) in both: with SGD, whose
@@ -211,53 +223,8 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     # peaked 3,134 bytes below the packing phase's count without them.
     updating = replace(both, communication=buffers.averaged + SMALL_ARRAYS)
     packing = replace(both, communication=both.communication + SMALL_ARRAYS, new_parameters=0,
-                      temporaries=temporaries.ahead)
+                      temporaries=temporaries.ahead)  # the clipping comes after it
     return max(updating, packing, key=lambda r: r.peak)
-
-
-def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
-    """What the update adds to the backward pass's count where the two overlap.
-
-    On a GPU nothing paces the step: a block's update is queued as soon as
-    its reduce-scatter is, while the pass goes on, and MLX frees an old
-    parameter or state only once the GPU has finished the command buffer
-    that last read it. On one H100 (2026-11-26, ``bench_plan_phases.py``, two
-    MLP layers of 512 with SGD, resharded) the whole step peaked at 15.08
-    MB, the pass and the update alone at 9.81 and 5.32 MB: each phase whole,
-    side by side. So on a GPU the pass is counted with the new parameters and
-    state, and the gradients, of the blocks in flight
-    (:data:`BLOCKS_ALIVE`, this rank's share of the largest; the root's
-    update comes after the pass). An empty dict elsewhere.
-    """
-    if device != "gpu":
-        return {}
-    blocks = sorted((sum(a.nbytes for b in plan.buckets
-                         for _, a in layout.held_of(b, [a for _, a in own], rank))
-                     for prefix, plan, own in units.plans if prefix), reverse=True)
-    share = sum(blocks[:BLOCKS_ALIVE[device]]) / max(held["parameters"], 1)
-    new = share * (held["parameters"] + tree_bytes(held["optimizer"]))
-    return {"communication": units.communication + int(share * gradients),
-            "new_parameters": int(new)}
-
-
-def pass_spare(units: Units, activations: int) -> Tuple[int, int]:
-    """What the CPU's pass adds to its gathered parameters and full gradients.
-
-    Measured alone (``bench_plan_phases.py``, ring N=2, 2026-11-27), the pass
-    held up to one block's parameters and gradients more than its count
-    where its activations were small (MLPs of 1 to 8 layers of 256 to 1024:
-    1.08 MiB on layers of 1 MiB, resharded), and, with every block's
-    parameters gathered, 1.26 MiB more beside 6.9 MiB of activations (the
-    GPT 4 x 256 with Adafactor, blocks of 3 MiB). So
-    :attr:`~mlx_fsdp.plan_memory.fully.Units.spare`, less what the
-    ``activations`` cover: with resharding all of it, without only the
-    gradients.
-    """
-    params, grads = units.spare
-    if not units.resharded:
-        return params, max(0, grads - activations)
-    more = max(0, params + grads - activations)
-    return min(more, params), more - min(more, params)
 
 
 def with_pass(step: RankMemory, activations: int, mode: str, device: str,

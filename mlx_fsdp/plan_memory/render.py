@@ -31,8 +31,10 @@ def render(model: shapes.Model, args, results, needed, resharded) -> str:
 
 
 def _loop(args) -> str:
-    """What the header says of a loop that keeps its old parameters (--keeps-old-parameters)."""
-    return ", a loop that keeps its old parameters" if args.keeps_old_parameters else ""
+    """What the header says of the clipping (--max-norm) and of a loop that keeps its old
+    parameters (--keeps-old-parameters)."""
+    clip = "" if args.max_norm is None else f", clipped to a norm of {args.max_norm:g}"
+    return clip + (", a loop that keeps its old parameters" if args.keeps_old_parameters else "")
 
 
 def header_tail(args) -> list:
@@ -68,18 +70,18 @@ def header_tail(args) -> list:
 
 
 def compare(rows, resharded=None, blocks_alive: int = 1, memory=None) -> list:
-    """What fully sharding saves at the largest N: parameters and gradients, against
-    fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers,
+    """What fully sharding saves at the largest N: parameters, against fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers,
     ``blocks_alive`` blocks at once, and whether it fits ``memory``."""
     by = {(r.mode, r.world_size): r.fullest for r in rows}
     n = max(r.world_size for r in rows)
     if ("fully_shard", n) not in by or n == 1:
         return []
     fs = by["fully_shard", n]
-    line = (f"fully_shard at N={n}: parameters + gradients {gib(fs.parameters + fs.gradients)} "
-            "GiB per rank")
+    # (Not its gradients: they come as its gathers go, so the pass at its
+    # fullest may hold none of them.)
+    line = f"fully_shard at N={n}: parameters {gib(fs.parameters)} GiB per rank"
     if ("fsdp", n) in by:
-        line += f" (fsdp_step: {gib(by['fsdp', n].parameters + by['fsdp', n].gradients)})"
+        line += f" (fsdp_step: {gib(by['fsdp', n].parameters)})"
     if fs.gathered:
         line += f", plus {gib(fs.gathered)} GiB gathered at once"
     out = [line]

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import optimizers
+from .clipping import Clip, clip_bytes
 from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_reduce_scatter
 from .parts import RankMemory, tree_bytes
 from .phases import ddp_fullest, fsdp_fullest, phases_apart, reduces_ahead
@@ -21,8 +22,9 @@ from .transient import overlap, temporaries_apart, update_costs
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                master_dtype: Optional[mx.Dtype], accumulation: str,
-               device: str = "cpu") -> RankMemory:
-    """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays."""
+               device: str = "cpu", clipped: bool = False) -> RankMemory:
+    """Every rank of ``ddp_step``: the plain optimizer ``name`` on whole arrays
+    (``clipped``: by their global norm, :mod:`~mlx_fsdp.plan_memory.clipping`)."""
     state = plain_state(optimizers.make(name), flat, master_dtype)
     grads = tree_bytes(dict(flat))
     common = RankMemory(
@@ -32,20 +34,23 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
         communication=0, new_parameters=0)
     temps = temporaries_apart(name, flat, master_dtype, use_fused_updates(device, world_size),
                               device, whole_arrays=True)
+    clip = clip_bytes([a for _, a in flat], update_costs(name, flat, master_dtype).values(),
+                      device) if clipped else Clip()
     return ddp_fullest(common, ddp_buffers([a for _, a in flat], world_size, communication_size),
-                       temps, device)
+                       temps, device, clip)
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
                 master_dtype: Optional[mx.Dtype], accumulation: str, reduce_scatter=None,
                 device: str = "cpu", compiled: bool = False,
                 transposed: Optional[dict] = None,
-                budget: Optional[int] = None) -> List[RankMemory]:
+                budget: Optional[int] = None, clipped: bool = False) -> List[RankMemory]:
     """Every rank of ``fsdp_step``, in rank order (owners make them differ);
-    with a ``budget`` in bytes, only up to the first rank whose peak exceeds it."""
+    with a ``budget`` in bytes, only up to the first rank whose peak exceeds it;
+    ``clipped``: its pieces by their global norm."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
-                           master_dtype, accumulation, device)]
+                           master_dtype, accumulation, device, clipped)]
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     grads = tree_bytes(dict(flat))
     out = []
@@ -70,8 +75,10 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             split = tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
                                   fused, device)
                           for mine in (True, False))
+        clip = clip_bytes(list(state["gradient"].values()), costed.values(), device) \
+            if clipped else Clip()
         fullest = fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled,
-                               split)
+                               split, clip)
         if accumulation == "sharded" and master_dtype is not None:
             # The step's sum of the carried and this micro-batch's pieces, beside
             # both: at MPI N=3 Adafactor on the MLP 4 x 256 in bfloat16 (two

@@ -1,0 +1,84 @@
+"""The fully sharded backward pass: what it holds beside the count of its parts.
+
+:mod:`mlx_fsdp.plan_memory.fully` counts the parts of the pass (the
+gathered parameters, a unit's full gradients, the reduce-scatter's
+buffers); how they meet depends on who paces evaluation
+(:mod:`mlx_fsdp.plan_memory.phases`): on the CPU the pass runs alone, a
+block at a time, and its gathers and sharded gradients take turns
+(:func:`pass_walk`); on a GPU the update runs beside it
+(:func:`update_during_backward`).
+"""
+
+from typing import Tuple
+
+from .. import layout
+from .fully import BLOCKS_ALIVE, Units
+from .parts import tree_bytes
+
+
+def update_during_backward(device: str, held: dict, gradients: int, units, rank: int) -> dict:
+    """What the update adds to the backward pass's count where the two overlap.
+
+    On a GPU nothing paces the step: a block's update is queued as soon as
+    its reduce-scatter is, while the pass goes on, and MLX frees an old
+    parameter or state only once the GPU has finished the command buffer
+    that last read it. On one H100 (2026-11-26, ``bench_plan_phases.py``, two
+    MLP layers of 512 with SGD, resharded) the whole step peaked at 15.08
+    MB, the pass and the update alone at 9.81 and 5.32 MB: each phase whole,
+    side by side. So on a GPU the pass is counted with the new parameters and
+    state, and the gradients, of the blocks in flight
+    (:data:`BLOCKS_ALIVE`, this rank's share of the largest; the root's
+    update comes after the pass). An empty dict elsewhere.
+    """
+    if device != "gpu":
+        return {}
+    share = sum(held_blocks(units, rank)[:BLOCKS_ALIVE[device]]) / max(held["parameters"], 1)
+    new = share * (held["parameters"] + tree_bytes(held["optimizer"]))
+    return {"communication": units.communication + int(share * gradients),
+            "new_parameters": int(new)}
+
+
+def held_blocks(units: Units, rank: int) -> list:
+    """The bytes ``rank`` holds of each block, the largest first."""
+    return sorted((sum(a.nbytes for b in plan.buckets
+                       for _, a in layout.held_of(b, [a for _, a in own], rank))
+                   for prefix, plan, own in units.plans if prefix), reverse=True)
+
+
+def pass_spare(units: Units, activations: int) -> Tuple[int, int]:
+    """What the CPU's pass adds to its gathered parameters and full gradients.
+
+    Measured alone (``bench_plan_phases.py``, ring N=2, 2026-11-27), the pass
+    held up to one block's parameters and gradients more than its count
+    where its activations were small (MLPs of 1 to 8 layers of 256 to 1024:
+    1.08 MiB on layers of 1 MiB, resharded), and, with every block's
+    parameters gathered, 1.26 MiB more beside 6.9 MiB of activations (the
+    GPT 4 x 256 with Adafactor, blocks of 3 MiB). So
+    :attr:`~mlx_fsdp.plan_memory.fully.Units.spare`, less what the
+    ``activations`` cover: with resharding all of it, without only the
+    gradients.
+    """
+    params, grads = units.spare
+    if not units.resharded:
+        return params, max(0, grads - activations)
+    more = max(0, params + grads - activations)
+    return min(more, params), more - min(more, params)
+
+
+def pass_walk(units: Units, gradients: int, rank: int) -> Tuple[int, int]:
+    """``(sharded gradients, gathered parameters)`` where the CPU's pass is fullest.
+
+    At the backward pass's start every gather the forward pass kept is alive
+    and no sharded gradient yet but the first block's, which may come before
+    its gather is freed (counted as what ``rank`` holds of the largest
+    block); block by block, each block's parameters go as its sharded
+    gradients come, so at its end ``units.last`` and all of the rank's
+    ``gradients``. Counted with both at once, the MLP 4 x 512 with SGD at
+    ring N=2 read 1.29x (15.03 MiB against 11.63, 2026-11-29); without the
+    first block's, the MLP 48 x 128 with AdamW, clipped, 1.005x (8.19 MiB
+    against 8.15).
+    """
+    first = min(gradients, max(held_blocks(units, rank), default=0))
+    if units.gathered + first >= units.last + gradients:
+        return first, units.gathered
+    return gradients, units.last

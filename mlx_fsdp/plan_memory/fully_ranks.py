@@ -1,0 +1,90 @@
+"""The ranks of fully sharded training: ``fully_shard`` and ``fsdp_step``.
+
+What each counts is in :mod:`mlx_fsdp.plan_memory.estimate` and
+:mod:`mlx_fsdp.plan_memory.fully`; how the pass's parts meet in
+:mod:`mlx_fsdp.plan_memory.backward`, how the phases meet in
+:mod:`mlx_fsdp.plan_memory.phases`.
+"""
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..fused import use_fused_updates
+from . import fully, optimizers
+from .backward import pass_spare, pass_walk, update_during_backward
+from .buffers import resolve_reduce_scatter
+from .clipping import clip_bytes
+from .parts import RankMemory, tree_bytes
+from .phases import phases_apart
+from .transient import temporaries, unpaced_kept, update_costs
+from .wrappers import ddp_memory
+
+
+def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int,
+                 world_size: int, communication_size: int, master_dtype: Optional[mx.Dtype],
+                 accumulation: str, reduce_scatter: Optional[str], wrap: str,
+                 reshard_after_forward: bool, every_rank: bool = False, device: str = "cpu",
+                 activations: int = 0, compiled: bool = False, phases: bool = False,
+                 budget: Optional[int] = None, keeps_old_parameters: bool = False,
+                 clipped: bool = False) -> list:
+    """Every rank of fully sharded training (see :mod:`mlx_fsdp.plan_memory.fully`).
+
+    ``floating``: ``(path, array)`` of every floating array, frozen ones
+    (a quantized layer's scales) included, which ``fully_shard`` shards too.
+    ``compiled``, ``phases``, ``budget``, ``keeps_old_parameters``: see
+    :func:`~mlx_fsdp.plan_memory.estimate.estimate_ranks`; ``clipped``: its ``max_norm`` is set.
+    """
+    if world_size == 1:  # fully_shard returns the module itself: the plain optimizer
+        trained = set(trainable)
+        flat = [(p, a) for p, a in floating if p in trained]
+        one = ddp_memory(name, flat, param_bytes, 1, communication_size, master_dtype,
+                         accumulation, device, clipped)
+        kept = tree_bytes(dict(flat)) if keeps_old_parameters else 0
+        return [replace(one, new_parameters=one.new_parameters + kept, activations=activations)]
+    make_optimizer = lambda: optimizers.make(name)  # noqa: E731
+    whole = param_bytes - tree_bytes(dict(floating))  # integer (quantized) weights stay whole
+    units = fully.cut(floating, trainable, make_optimizer(), world_size, communication_size,
+                      wrap, reshard_after_forward,
+                      resolve_reduce_scatter(reduce_scatter, world_size), device)
+    # Rank 0 holds the most rows of every array: only owners make another rank fuller.
+    owned = any(b.owned for _, plan, _ in units.plans for b in plan.buckets)
+    out = []
+    for rank in range(world_size) if owned or every_rank else [0]:
+        if budget is not None and out and not phases and out[-1].peak > budget:
+            break
+        held = fully.rank_bytes(units, make_optimizer(), rank, master_dtype)
+        grads = held["gradients"]
+        common = dict(parameters=whole + held["parameters"], gradients=grads,
+                      accumulation=0 if accumulation == "none" else grads,
+                      optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
+        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device),
+                            device, traced=compiled) + \
+            unpaced_kept(name, held["pieces"], master_dtype, device,
+                         compiled or use_fused_updates(device))
+        if clipped:
+            temps = clip_bytes([a for _, a in held["pieces"]], update_costs(
+                name, held["pieces"], master_dtype, use_fused_updates(device) or compiled).values(),
+                device).with_update(temps)
+        apart = phases_apart(device, compiled)
+        spare = pass_spare(units, activations) if apart else (0, 0)
+        walked, gathered = pass_walk(units, grads, rank) if apart else (grads, units.gathered)
+        backward = dict(common, gradients=walked, communication=units.communication,
+                        new_parameters=0, gathered=gathered + spare[0],
+                        full_gradients=units.full_gradients + spare[1])
+        # The gradients arrive averaged: the step divides them, into copies,
+        # only by the micro-batches (mlx_fsdp.step). Kept, the rank's old
+        # trainable pieces (as many bytes as its gradients).
+        update = dict(common, communication=0 if accumulation == "none" else grads,
+                      new_parameters=held["largest"] + (grads if keeps_old_parameters else 0))
+        if phases or apart:  # each alone: the pass's activations, the update's temporaries
+            pair = (RankMemory(**backward, activations=activations),
+                    RankMemory(**update, temporaries=temps))
+            out.append(pair if phases else max(pair, key=lambda r: r.peak))
+            continue
+        backward.update(update_during_backward(device, held, grads, units, rank))
+        out.append(max(RankMemory(**backward, temporaries=temps, activations=activations),
+                       RankMemory(**update, temporaries=temps, activations=activations),
+                       key=lambda r: r.peak))  # a tie: the backward pass
+    return out
