@@ -29,8 +29,10 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
   backward pass, and the full gradients of one of them before its
   reduce-scatter;
 * **temporaries**: the optimizer's arithmetic, what MLX's run-ahead keeps
-  alive next to it, compiled or not as ``fsdp_step`` runs it there, and a
-  GPU's matmul workspaces (:mod:`mlx_fsdp.plan_memory.transient`);
+  alive next to it, compiled or not as ``fsdp_step`` runs it there, a
+  GPU's matmul workspaces (:mod:`mlx_fsdp.plan_memory.transient`), and
+  with ``max_norm`` the clipping's copies and squares
+  (:mod:`mlx_fsdp.plan_memory.clipping`);
 * **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`).
 
 The **peak** is their sum, an upper bound of one step (``benchmarks/bench_plan_memory.py``).
