@@ -59,14 +59,12 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         common = dict(parameters=whole + held["parameters"], gradients=grads,
                       accumulation=0 if accumulation == "none" else grads,
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
-        temps = temporaries(name, held["pieces"], master_dtype, use_fused_updates(device),
-                            device, traced=compiled) + \
-            unpaced_kept(name, held["pieces"], master_dtype, device,
-                         compiled or use_fused_updates(device))
+        fused = use_fused_updates(device)
+        costed = list(update_costs(name, held["pieces"], master_dtype, fused or compiled).values())
+        temps = temporaries(name, held["pieces"], master_dtype, fused, device, traced=compiled) \
+            + unpaced_kept(name, costed, device, fused or compiled)
         if clipped:
-            temps = clip_bytes([a for _, a in held["pieces"]], update_costs(
-                name, held["pieces"], master_dtype, use_fused_updates(device) or compiled).values(),
-                device).with_update(temps)
+            temps = clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
         apart = phases_apart(device, compiled)
         spare = pass_spare(units, activations) if apart else (0, 0)
         walked, gathered = pass_walk(units, grads, rank) if apart else (grads, units.gathered)

@@ -257,8 +257,8 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     return Temporaries(side, ahead, most, kept if eager_cpu else 0, tail, last)
 
 
-def unpaced_kept(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dtype=None,
-                 device: str = "cpu", compiled: bool = False) -> int:
+def unpaced_kept(optimizer: str, updates: Sequence[Update], device: str = "cpu",
+                 compiled: bool = False) -> int:
     """What an eager, unpaced update of many pieces keeps to the step's end on the CPU.
 
     ``fully_shard``'s update is one graph of every piece's update with no
@@ -266,9 +266,9 @@ def unpaced_kept(optimizer: str, pieces: Sequence[Tuple[str, object]], master_dt
     keep :data:`PLAIN`'s arrays of each update's size however many there
     are (:data:`PLAIN_MASTER` through masters). Without Muon's, its owner
     updates on the MLP 48 x 128 at ring N=2, resharded, peaked at 6.48 MiB
-    against 6.32 planned (2026-11-29). Others: ``0``, as on a GPU.
+    against 6.32 planned (2026-11-29). Others: ``0``, as on a GPU and
+    compiled. ``updates``: :func:`update_costs`' of the pieces.
     """
-    updates = list(update_costs(optimizer, pieces, master_dtype, compiled).values())
     table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
     _, kept, run = table.get(optimizer, PLAIN[optimizer])
     if device != "cpu" or compiled or run is not None:
