@@ -70,15 +70,16 @@ def header_tail(args) -> list:
 
 
 def compare(rows, resharded=None, blocks_alive: int = 1, memory=None) -> list:
-    """What fully sharding saves at the largest N: parameters, against fsdp_step; and what ``resharded`` (that N with reshard_after_forward) gathers,
-    ``blocks_alive`` blocks at once, and whether it fits ``memory``."""
+    """What fully sharding saves at the largest N: parameters, against fsdp_step; and
+    what ``resharded`` (that N with reshard_after_forward) gathers, ``blocks_alive``
+    blocks at once, and whether it fits ``memory``."""
     by = {(r.mode, r.world_size): r.fullest for r in rows}
     n = max(r.world_size for r in rows)
     if ("fully_shard", n) not in by or n == 1:
         return []
     fs = by["fully_shard", n]
     # (Not its gradients: they come as its gathers go, so the pass at its
-    # fullest may hold none of them.)
+    # fullest may hold only some of them.)
     line = f"fully_shard at N={n}: parameters {gib(fs.parameters)} GiB per rank"
     if ("fsdp", n) in by:
         line += f" (fsdp_step: {gib(by['fsdp', n].parameters)})"

@@ -17,7 +17,7 @@ from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_red
 from .parts import RankMemory, tree_bytes
 from .phases import ddp_fullest, fsdp_fullest, phases_apart, reduces_ahead
 from .sharding import _fsdp_state, plain_state
-from .transient import overlap, temporaries_apart, update_costs
+from .transient import overlap, update_costs
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -32,10 +32,10 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
         accumulation=0 if accumulation == "none" else grads,
         optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
         communication=0, new_parameters=0)
-    temps = temporaries_apart(name, flat, master_dtype, use_fused_updates(device, world_size),
-                              device, whole_arrays=True)
-    clip = clip_bytes([a for _, a in flat], update_costs(name, flat, master_dtype).values(),
-                      device) if clipped else Clip()
+    fused = use_fused_updates(device, world_size)
+    costed = list(update_costs(name, flat, master_dtype, fused).values())
+    temps = overlap(name, costed, fused, device, whole_arrays=True)
+    clip = clip_bytes([a for _, a in flat], costed, device) if clipped else Clip()
     return ddp_fullest(common, ddp_buffers([a for _, a in flat], world_size, communication_size),
                        temps, device, clip)
 
