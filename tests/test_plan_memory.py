@@ -1242,11 +1242,12 @@ def test_fully_sharded_float32_peak_is_bounded_with_resharding(wrap, tmp_path):
     assert len(rows) == 3 * 2
     for r in rows:
         _within(r, 0.62, 1.0)
-    # Per block, SGD and AdamW within 1.3x: with the sharded gradients
-    # counted beside every gather, and the update's gradients copied, the
-    # MLP with SGD read 1.29x (2026-11-29; 1.16x since).
+    # Per block within 1.3x: with the sharded gradients counted beside every
+    # gather, and the update's gradients copied, the MLP with SGD read 1.29x
+    # (2026-11-29; 1.16x since); with an owner bucket's gathered vector
+    # counted beside its reduce-scatter's buffers, Adafactor 1.40x (1.24x since).
     if wrap == "blocks":
-        _bounded_both_ways([r for r in rows if r["optimizer"] != "adafactor"])
+        _bounded_both_ways(rows)
 
 
 @pytest.mark.parametrize("layers,optimizers", [(1, ["sgd", "adamw", "lion"]), (2, ["sgd"])])
@@ -1277,6 +1278,24 @@ def test_one_or_two_blocks_are_bounded_phase_by_phase(layers, optimizers, tmp_pa
         assert step <= peak, r
         if default_device() == "cpu":
             assert pass_meas <= pass_pred and update_meas <= update_pred, r
+
+
+def test_lions_unpaced_update_is_held_to_what_its_updates_allocate(tmp_path):
+    """``fully_shard``'s update on the CPU, one eager graph of every piece's
+    update, taken apart (``bench_plan_phases.py``, the MLP 4 x 512 at ring
+    N=2): Lion's is within 1.3x of its count both ways. The count's updates
+    under way and its run-ahead both held the largest updates, and the
+    update alone read 1.575x (11.54 MiB measured, 18.18 planned,
+    2026-11-29) until it was capped at what the updates allocate in all."""
+    out = tmp_path / "phases.json"
+    run_script(2, "benchmarks/bench_plan_phases.py",
+               ["--models", "mlp", "--optimizers", "lion", *REPEAT, "--json", str(out)],
+               timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    (_, update_pred, peak), (_, update_meas, step) = row["predicted"], row["measured"]
+    assert step <= peak, row
+    if default_device() == "cpu":
+        assert update_meas <= update_pred <= 1.3 * update_meas, row
 
 
 def test_the_sharded_step_taken_apart_runs_and_stays_below_the_plan(tmp_path):

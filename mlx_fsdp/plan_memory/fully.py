@@ -129,6 +129,9 @@ class Units(NamedTuple):
         last (int): Bytes of the full parameters alive at the backward pass's
             end, beside every sharded gradient: the root's and one block's
             (its vector's too), or, resharded, ``gathered``.
+        extra (int): Bytes of the largest gathered vector beyond what its
+            copies keep (0 where no gather copies out): alive only until
+            the copies are made, never beside a reduce-scatter's buffers.
     """
 
     plans: list
@@ -140,6 +143,7 @@ class Units(NamedTuple):
     spare: Tuple[int, int]
     resharded: bool
     last: int
+    extra: int = 0
 
 
 def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
@@ -207,7 +211,9 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
     step = model_plan(flat_grads, [a for _, a in flat_grads], optimizer, world_size, 0, None,
                       modules)
-    return Units(plans, trained, step, alive, full, comm, spare, bool(ahead), min(last, alive))
+    extra = max((extra for _, _, extra in gathered), default=0)
+    return Units(plans, trained, step, alive, full, comm, spare, bool(ahead), min(last, alive),
+                 extra)
 
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:

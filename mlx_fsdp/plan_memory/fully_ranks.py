@@ -18,7 +18,7 @@ from .buffers import resolve_reduce_scatter
 from .clipping import clip_bytes
 from .parts import RankMemory, tree_bytes
 from .phases import phases_apart
-from .transient import temporaries, unpaced_kept, update_costs
+from .transient import temporaries, unpaced_update, update_costs
 from .wrappers import ddp_memory
 
 
@@ -61,13 +61,16 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         fused = use_fused_updates(device)
         costed = list(update_costs(name, held["pieces"], master_dtype, fused or compiled).values())
-        temps = temporaries(name, held["pieces"], master_dtype, fused, device, traced=compiled) \
-            + unpaced_kept(name, costed, device, fused or compiled)
+        temps = unpaced_update(name, costed, temporaries(
+            name, held["pieces"], master_dtype, fused, device, traced=compiled),
+            device, fused or compiled)
         if clipped:
             temps = clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
         apart = phases_apart(device, compiled)
         spare = pass_spare(units, activations) if apart else (0, 0)
         walked, gathered = pass_walk(units, grads, rank) if apart else (grads, units.gathered)
+        if apart:  # a gather's vector and a reduce-scatter's buffers: never at once
+            gathered -= min(units.extra, units.communication)
         backward = dict(common, gradients=walked, communication=units.communication,
                         new_parameters=0, gathered=gathered + spare[0],
                         full_gradients=units.full_gradients + spare[1])

@@ -257,23 +257,31 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     return Temporaries(side, ahead, most, kept if eager_cpu else 0, tail, last)
 
 
-def unpaced_kept(optimizer: str, updates: Sequence[Update], device: str = "cpu",
-                 compiled: bool = False) -> int:
-    """What an eager, unpaced update of many pieces keeps to the step's end on the CPU.
+def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
+                   device: str = "cpu", compiled: bool = False) -> int:
+    """What an eager, unpaced update of many pieces holds on the CPU.
 
     ``fully_shard``'s update is one graph of every piece's update with no
-    collective between them, as the plain optimizer's is: Lion and Muon
-    keep :data:`PLAIN`'s arrays of each update's size however many there
-    are (:data:`PLAIN_MASTER` through masters). Without Muon's, its owner
-    updates on the MLP 48 x 128 at ring N=2, resharded, peaked at 6.48 MiB
-    against 6.32 planned (2026-11-29). Others: ``0``, as on a GPU and
-    compiled. ``updates``: :func:`update_costs`' of the pieces.
+    collective between them, as the plain optimizer's is. ``counted`` is
+    :func:`temporaries`' count of ``updates`` (:func:`update_costs`'); on
+    top, Lion and Muon keep :data:`PLAIN`'s arrays of each update's size
+    however many there are (:data:`PLAIN_MASTER` through masters): without
+    Muon's, its owner updates on the MLP 48 x 128 at ring N=2, resharded,
+    peaked at 6.48 MiB against 6.32 planned (2026-11-29). And none holds
+    more than its updates allocate in all (:class:`Temporaries`' ``most``,
+    with SGD's float32 copies through masters, :data:`PLAIN_UPCAST`): the
+    count's chains and run-ahead both hold the largest updates, which on a
+    few pieces counts them twice (Lion on the MLP 4 x 512 at ring N=2: its
+    update alone peaked at 11.54 MiB, 18.18 counted without this, 14.53
+    with it; 2026-11-29). On a GPU and compiled: ``counted``.
     """
+    if device != "cpu" or compiled:
+        return counted
     table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
     _, kept, run = table.get(optimizer, PLAIN[optimizer])
-    if device != "cpu" or compiled or run is not None:
-        return 0
-    return plain_window(updates, 0, kept)
+    kept_bytes = plain_window(updates, 0, kept) if run is None else 0
+    upcasts = sum(u.upcast for u in updates) if optimizer in PLAIN_UPCAST else 0
+    return min(counted + kept_bytes, _most(updates, 0) + upcasts)
 
 
 def _most(updates: Sequence[Update], workspace: int) -> int:
