@@ -99,8 +99,15 @@ PLAIN_UPCAST = ("sgd",)
 #: array halved, not dropped as the fit allowed). Measured after: 48 points
 #: of other shapes, 1.02-1.40x; 14 of deeper models (the MLP 192 x 64, 384
 #: arrays, on one process), 1.02-1.38x (Lion 1.13-1.22x, Muon 1.22-1.33x).
+#: Adafactor's since session 33: with :data:`PLAIN`'s, its 47 points of
+#: those sets read 1.10-1.57x, 28 above 1.3x; with these, the least of the
+#: grids that kept the closest point (1.11x), 1.11-1.43x, 8 above; and 30
+#: points measured after, of other shapes (the MLP 64 x 128 and 3 x 1024
+#: and mlx-lm's Llama 8 x 192 on one process, the GPT 4 x 192 and the Llama
+#: 6 x 256 at ring N=2, the MLP 6 x 384 at MPI N=3; 2026-11-29), Adafactor's
+#: 1.17-1.29x (1.17-1.40x before).
 PLAIN_MASTER = {"adamw": (2, 1, 20), "adam": (2, 2, 20), "lion": (4, 1, None),
-                "muon": (1.5, 0.5, None)}
+                "muon": (1.5, 0.5, None), "adafactor": (2, 2.5, 12)}
 
 #: Arrays of a piece's size Lion keeps from its update to the step's end in
 #: ``fsdp_step`` on the CPU: its new moment does not feed its new
