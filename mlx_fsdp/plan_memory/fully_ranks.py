@@ -18,7 +18,7 @@ from .buffers import resolve_reduce_scatter
 from .clipping import clip_bytes
 from .parts import RankMemory, tree_bytes
 from .phases import phases_apart
-from .transient import temporaries, unpaced_update, update_costs
+from .transient import overlap, unpaced_update, update_costs
 from .wrappers import ddp_memory
 
 
@@ -61,9 +61,9 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                       optimizer=tree_bytes(held["optimizer"]), masters=tree_bytes(held["master"]))
         fused = use_fused_updates(device)
         costed = list(update_costs(name, held["pieces"], master_dtype, fused or compiled).values())
-        temps = unpaced_update(name, costed, temporaries(
-            name, held["pieces"], master_dtype, fused, device, traced=compiled),
-            device, fused or compiled)
+        counted = overlap(name, costed, fused, device, traced=compiled)
+        temps = unpaced_update(name, costed, counted.side + counted.ahead, device,
+                               fused or compiled)
         if clipped:
             temps = clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
         apart = phases_apart(device, compiled)
