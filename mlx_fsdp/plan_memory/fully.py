@@ -42,7 +42,9 @@ Given a batch, the **activations** are added, and the optimizer's
 (:mod:`mlx_fsdp.plan_memory.estimate`), except on the CPU: there the update
 waits for the whole backward pass, so the pass is counted with its
 activations and the update with its temporaries, each alone (the parts of
-the other phase are 0 in the table; :mod:`mlx_fsdp.plan_memory.phases`).
+the other phase are 0 in the table; :mod:`mlx_fsdp.plan_memory.phases`),
+and a unit's reduce-scatter meets the activations less that unit's share
+(:func:`~mlx_fsdp.plan_memory.backward.reduced_after_blocks`).
 docs/memory-planner.md states the margin measured against
 ``mx.get_peak_memory``.
 """
