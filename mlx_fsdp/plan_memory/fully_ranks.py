@@ -18,7 +18,9 @@ from .buffers import resolve_reduce_scatter
 from .clipping import clip_bytes
 from .parts import RankMemory, tree_bytes
 from .phases import phases_apart
-from .transient import overlap, unpaced_update, update_costs
+from .transient import (CHAINS, PLAIN, PLAIN_MASTER, PLAIN_UPCAST, allocated, overlap,
+                        plain_window, update_costs)
+from .updates import Update
 from .wrappers import ddp_memory
 
 
@@ -90,3 +92,49 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                        RankMemory(**update, temporaries=temps, activations=activations),
                        key=lambda r: r.peak))  # a tie: the backward pass
     return out
+
+
+#: Updates under way in ``fully_shard``'s update on the CPU beyond the
+#: :data:`~mlx_fsdp.plan_memory.transient.CHAINS` largest that
+#: :func:`~mlx_fsdp.plan_memory.transient.overlap` counts (:func:`unpaced_update`):
+#: the next largest, each holding its ``live`` bytes. Adafactor's owner
+#: updates of six matrices a rank (the MLP 12 x 384 at ring N=2, its update
+#: alone) held 14.71 MiB in bfloat16, 13.43 counted without, and 14.72 in
+#: float32, 13.00; of eight (16 x 256 in float32) 7.07, 6.80; of four or
+#: fewer, no more than counted. With these two, 43 MLPs of 2 to 32 layers of
+#: 256 and 384 at ring N=2, MPI N=3 and 4 read 1.03-1.54x; counting one more
+#: update's total instead (and 1.5 of it to clear the MLP 18 x 256 at MPI
+#: N=3, 0.998x with one) made the recorded GPT points looser, up to 1.87x
+#: (2026-11-29, ``bench_plan_phases.py``).
+UNPACED_UNDER_WAY = {"adafactor": 2}
+
+
+def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
+                   device: str = "cpu", compiled: bool = False) -> int:
+    """What an eager, unpaced update of many pieces holds on the CPU.
+
+    ``fully_shard``'s update is one graph of every piece's update with no
+    collective between them, as the plain optimizer's is. ``counted`` is
+    :func:`~mlx_fsdp.plan_memory.transient.overlap`'s count of ``updates``
+    (:func:`~mlx_fsdp.plan_memory.transient.update_costs`'), and on top
+    Adafactor's further updates under way (:data:`UNPACED_UNDER_WAY`);
+    Lion and Muon keep ``PLAIN``'s arrays of each update's size however
+    many there are (``PLAIN_MASTER`` through masters): without Muon's, its
+    owner updates on the MLP 48 x 128 at ring N=2, resharded, peaked at
+    6.48 MiB against 6.32 planned (2026-11-29). And none holds more than
+    its updates allocate in all (``Temporaries.most``, with SGD's float32
+    copies through masters, ``PLAIN_UPCAST``): the count's chains and
+    run-ahead both hold the largest updates, which on a few pieces counts
+    them twice (Lion on the MLP 4 x 512 at ring N=2: its update alone peaked
+    at 11.54 MiB, 18.18 counted without this, 14.53 with it; 2026-11-29).
+    On a GPU and compiled: ``counted``.
+    """
+    if device != "cpu" or compiled:
+        return counted
+    table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
+    _, kept, run = table.get(optimizer, PLAIN[optimizer])
+    kept_bytes = plain_window(updates, 0, kept) if run is None else 0
+    lives = sorted((u.live for u in updates), reverse=True)
+    more = sum(lives[CHAINS:CHAINS + UNPACED_UNDER_WAY.get(optimizer, 0)])
+    upcasts = sum(u.upcast for u in updates) if optimizer in PLAIN_UPCAST else 0
+    return min(counted + kept_bytes + more, allocated(updates, 0) + upcasts)

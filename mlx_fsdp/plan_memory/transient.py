@@ -243,7 +243,7 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     if whole_arrays and eager_cpu:
         upcasts = in_flight([u._replace(total=u.upcast) for u in updates])[1] \
             if optimizer in PLAIN_UPCAST else 0  # of the updates queued ahead
-        most = _most(updates, workspace) + upcasts
+        most = allocated(updates, workspace) + upcasts
         table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
         plain = min(most, plain_window(updates, *table.get(optimizer, PLAIN[optimizer])) + upcasts)
         queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
@@ -253,7 +253,7 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
         updates = [u._replace(ops=u.kernels) for u in updates]
     window = GPU_IN_FLIGHT_OPS if device == "gpu" and (kernels or not compiled) else IN_FLIGHT_OPS
     chains, ahead = in_flight(updates, window)
-    most = _most(updates, workspace)
+    most = allocated(updates, workspace)
     kept = int(KEPT_TO_THE_END.get(optimizer, 0) * sum(u.array for u in updates))
     # Compiled (MLX_FSDP_FUSED_UPDATE=1 on the CPU), an owner bucket's gather
     # met two updates: Adafactor on the MLP 4 x 256 at ring N=2 peaked at
@@ -264,33 +264,6 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
     return Temporaries(side, ahead, most, kept if eager_cpu else 0, tail, last)
 
 
-def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
-                   device: str = "cpu", compiled: bool = False) -> int:
-    """What an eager, unpaced update of many pieces holds on the CPU.
-
-    ``fully_shard``'s update is one graph of every piece's update with no
-    collective between them, as the plain optimizer's is. ``counted`` is
-    :func:`temporaries`' count of ``updates`` (:func:`update_costs`'); on
-    top, Lion and Muon keep :data:`PLAIN`'s arrays of each update's size
-    however many there are (:data:`PLAIN_MASTER` through masters): without
-    Muon's, its owner updates on the MLP 48 x 128 at ring N=2, resharded,
-    peaked at 6.48 MiB against 6.32 planned (2026-11-29). And none holds
-    more than its updates allocate in all (:class:`Temporaries`' ``most``,
-    with SGD's float32 copies through masters, :data:`PLAIN_UPCAST`): the
-    count's chains and run-ahead both hold the largest updates, which on a
-    few pieces counts them twice (Lion on the MLP 4 x 512 at ring N=2: its
-    update alone peaked at 11.54 MiB, 18.18 counted without this, 14.53
-    with it; 2026-11-29). On a GPU and compiled: ``counted``.
-    """
-    if device != "cpu" or compiled:
-        return counted
-    table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
-    _, kept, run = table.get(optimizer, PLAIN[optimizer])
-    kept_bytes = plain_window(updates, 0, kept) if run is None else 0
-    upcasts = sum(u.upcast for u in updates) if optimizer in PLAIN_UPCAST else 0
-    return min(counted + kept_bytes, _most(updates, 0) + upcasts)
-
-
-def _most(updates: Sequence[Update], workspace: int) -> int:
+def allocated(updates: Sequence[Update], workspace: int) -> int:
     """What every update allocates (:class:`Temporaries`' ``most``); ``ops`` counted as run."""
     return sum(u.total + SCALAR_BYTES * u.ops for u in updates) + workspace
