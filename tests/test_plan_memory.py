@@ -443,14 +443,14 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
     free, capped = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, most), 25,
                                  [bucket], "cpu", False) for most in (99, 55))
     assert capped.peak == free.peak - 5
-    # An owner bucket's gather meets its own updates' tail (the larger of the
-    # last update under way and what is queued ahead: 30 of the 40 under
-    # way), and the other buckets' under way.
+    # An owner bucket's gather meets its own updates' tail (the last update
+    # under way and what is queued ahead: 30 of the 40 under way, and 10),
+    # and the other buckets' under way.
     alone, beside = (fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25,
                                   [bucket], "cpu", False,
                                   split=(Temporaries(40, 10, 99, last=30), Temporaries(s, 2, 99)))
                      for s in (0, 3))
-    assert (alone.temporaries, beside.temporaries) == (30 + 25 + 4, 30 + 3 + 25 + 4)
+    assert (alone.temporaries, beside.temporaries) == (40 + 25 + 4, 40 + 3 + 25 + 4)
     # Once it waits, the gathering phase holds the bucket's updated pieces in
     # place of its reduced ones: 40 - 10, beside what is left of the updates.
     gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99, tail=5), 25,
@@ -962,16 +962,20 @@ def test_a_flat_buckets_gather_meets_adams_updates_but_not_sgds_or_lions(tmp_pat
     _bounded_both_ways(rows)
 
 
-def test_an_owner_buckets_gather_meets_its_last_update_not_two(tmp_path):
+def test_an_owner_buckets_gather_meets_its_own_updates_tail(tmp_path):
     """``fsdp_step`` with Adafactor on the GPT 2 x 128 in bfloat16 with float32
     masters at ring N=2: its matrices in owner buckets, whose gather follows
     the rank's own updates. Counted beside two of them under way, as before,
     it read 1.330x (7.25 MiB planned, 5.45 measured); beside the last one or
-    what is queued ahead, the larger, 1.206x (2026-11-29)."""
+    what is queued ahead, the larger, 1.206x (2026-11-29). Beside both, as
+    three of Muon's matrices a rank need (``phases.fsdp_fullest``; session
+    34), 1.31-1.37x, and 1.51x where a step of three peaked lower (4.92
+    MiB; the fullest of ten is kept): held within 1.45x."""
     rows = _bench(2, tmp_path, "--models", "gpt", "--dtype", "bfloat16", "--modes", "fsdp",
-                  "--optimizers", "adafactor")
-    assert len(rows) == 1
-    _bounded_both_ways(rows)
+                  "--optimizers", "adafactor", repeat=["--repeat", "10"])
+    (r,) = rows
+    assert r["equal"], r
+    assert r["peak_measured"] <= r["peak_predicted"] <= 1.45 * r["peak_measured"], r
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -1079,12 +1083,15 @@ def test_a_gather_meets_the_other_buckets_updates_not_its_own(tmp_path):
     all of them again beside the other buckets' (``phases.fsdp_fullest``).
     Counted as if every update met it, the MLP 4 x 512 at ring N=2 read
     1.55x with Muon (49.54 MiB planned, 32.02 measured) and 1.18x with
-    AdamW; so, 1.17x and 1.05x (2026-11-28)."""
+    AdamW; so, 1.17x and 1.05x (2026-11-28). Muon's owner gather beside
+    both its last update under way and what is queued ahead, as three
+    matrices a rank need (session 34): 1.36x (43.54 MiB), held within 1.4x."""
     rows = _bench(2, tmp_path, "--models", "mlp", "--optimizers", "adamw", "muon",
                   "--modes", "fsdp")
     assert len(rows) == 2
     for r in rows:
-        assert r["peak_measured"] <= r["peak_predicted"] <= 1.3 * r["peak_measured"], r
+        high = 1.4 if r["optimizer"] == "muon" else 1.3
+        assert r["peak_measured"] <= r["peak_predicted"] <= high * r["peak_measured"], r
 
 
 def test_owner_updates_after_every_reduce_scatter_on_the_cpu_are_bounded(tmp_path):
@@ -1328,6 +1335,23 @@ def test_adafactors_fully_sharded_update_of_many_matrices_is_bounded(dtype, tmp_
     assert step <= peak, r
     if default_device() == "cpu":
         assert update_meas <= update_pred <= 1.3 * update_meas, r
+
+
+@pytest.mark.parametrize("optimizer,layers,dtype", [("lion", "8", "float32"),
+                                                     ("muon", "6", "bfloat16")])
+def test_an_fsdp_step_of_shapes_no_grid_had_stays_below_the_plan(optimizer, layers, dtype,
+                                                                  tmp_path):
+    """``fsdp_step`` at ring N=2 on MLPs of 256 (2026-11-29): Lion in one
+    flat bucket, whose updates keep their moments' inputs to the step's end,
+    peaked at 9.54 MiB against 9.10 planned (8 layers) until those met the
+    bucket's own gather in the count; Muon with three matrices a rank at
+    9.51 against 9.17 (6 layers, bfloat16) until an owner bucket's gather met
+    both its last update under way and what is queued ahead."""
+    rows = _bench(2, tmp_path, "--models", "mlp", "--hidden", "256", "--layers", layers,
+                  "--dtype", dtype, "--modes", "fsdp", "--optimizers", optimizer)
+    (r,) = rows
+    assert r["equal"], r
+    assert r["peak_measured"] <= r["peak_predicted"], r
 
 
 def test_lions_unpaced_update_is_held_to_what_its_updates_allocate(tmp_path):

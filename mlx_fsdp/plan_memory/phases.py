@@ -129,17 +129,21 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     late += split[1].kept if split else 0
     if split:
         # An owner bucket's gather follows its own updates' last operations:
-        # it meets their tail (the last update under way or what is queued
-        # ahead, the larger), and what is under way of the other buckets'
-        # updates. Counted together, Muon on the MLP 4 x 512 at ring N=2 read
-        # 1.55x (49.54 MiB against 32.02); with the others' queued ahead too,
-        # no measured point needed them (the GPT 2 x 128 with Muon at MPI
-        # N=4, 64 KiB buckets: 1.60x so, 9.72 MiB against 6.07). With two
-        # updates under way, not the last alone, Adafactor on the MLP 4 x 512
-        # in bfloat16 at ring N=2 (two matrices a rank) read 1.58x (19.10
-        # MiB against 12.06; 16.39 so, 2026-11-29).
+        # it meets their tail (the last update under way and what is queued
+        # ahead), and what is under way of the other buckets' updates. With
+        # the larger of the first two alone, Muon with three matrices a rank
+        # peaked above the plan (the MLP 9 x 256 in bfloat16 at MPI N=3:
+        # 11.52 MiB against 10.30; 9 x 320 18.00, 16.05; 6 x 256 at ring N=2
+        # 9.51, 9.17; 2026-11-29, session 34), and with both the MLP 4 x 512
+        # at ring N=2 reads 1.36x (43.54 MiB against 32.02). With the others'
+        # queued ahead too, no measured point needed them (the GPT 2 x 128
+        # with Muon at MPI N=4, 64 KiB buckets: 1.60x so, 9.72 MiB against
+        # 6.07). With two updates under way, not the last alone, Adafactor on
+        # the MLP 4 x 512 in bfloat16 at ring N=2 (two matrices a rank) read
+        # 1.58x (19.10 MiB against 12.06; 16.39 so, 2026-11-29).
         own, others = split
-        meets = min(max(own.last, own.ahead) + others.side, meets)
+        tail = own.last + own.ahead if own.side > own.last else max(own.last, own.ahead)
+        meets = min(tail + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
     phases = [replace(common, communication=gat, new_parameters=gat_new,
                       temporaries=chains + late + meets + pieces)]
@@ -154,7 +158,10 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # MiB, 14.09 counted without them and 19.09 with them (20.09 with the
         # reduced pieces too, which the update has consumed); with SGD at
         # 12.03, 12.09 counted without them.
-        meets = temporaries.tail
+        # And what they keep to the step's end (Lion's, KEPT_TO_THE_END): alone
+        # in its step, the MLP 9 x 256 at ring N=2 peaked at 11.29 MiB, 10.23
+        # counted without it, 11.36 with it (7 and 8 layers too; 2026-11-29).
+        meets = temporaries.tail + temporaries.kept
         if many:
             # Past one, what its own updates keep to the step's end too
             # (Lion's: without it the MLP 48 x 128 in 128 KiB buckets at MPI

@@ -118,7 +118,8 @@ PLAIN_MASTER = {"adamw": (2, 1, 20), "adam": (2, 2, 20), "lion": (4, 1, None),
 KEPT_TO_THE_END = {"lion": 1}
 
 #: Optimizers none of whose updates was seen alive at the gather of a flat
-#: bucket alone in its step, which waits for them (:mod:`mlx_fsdp.step`;
+#: bucket alone in its step, which waits for them, but for what Lion keeps
+#: to the step's end (:data:`KEPT_TO_THE_END`) (:mod:`mlx_fsdp.step`;
 #: past one bucket they are counted): at ring N=2, SGD and Lion on the MLP
 #: 4 x 256 peaked at 4.52 MiB, the gather's buffers alone counted 4.58 (the
 #: MLP 6 x 384: 15.23 and 15.29); AdamW 0.44 MiB above them (5.52 against
