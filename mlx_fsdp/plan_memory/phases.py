@@ -142,6 +142,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # the MLP 4 x 512 in bfloat16 at ring N=2 (two matrices a rank) read
         # 1.58x (19.10 MiB against 12.06; 16.39 so, 2026-11-29).
         own, others = split
+        # A bucket of one update (one matrix, or 64 KiB buckets) is its own
+        # tail: the larger of the two, as before.
         tail = own.last + own.ahead if own.side > own.last else max(own.last, own.ahead)
         meets = min(tail + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
