@@ -103,6 +103,12 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             # once (the MLP 4 x 512 with SGD in 2 MiB buckets, ring N=2:
             # 18.04 MiB, 14.03 paced; see mlx_fsdp.pace).
             order.follow(pace.paced(order.last(), traced)[0])
+            # Its packing's copies too (a transposed weight gradient flattened,
+            # an owner's rows): read from the gradients alone, they were
+            # queued beside the bucket before (mlx-lm's Llama 12 x 128 with
+            # Adafactor at MPI N=5, four owner buckets: 34.42 MiB, 30.05 so).
+            for slot in bucket.slots:
+                grads[slot.index] = order.chain(grads[slot.index])
         if bucket.sharded_params:
             mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
                                               opts.dp_group, order=order, stream=stream)

@@ -1054,6 +1054,19 @@ def test_owner_buckets_of_transposed_gradients_are_bounded(tmp_path):
     _bounded_both_ways(rows)
 
 
+def test_a_buckets_packing_waits_for_the_reduce_scatter_before(tmp_path):
+    """mlx-lm's Llama 12 x 128 at MPI N=3, Adafactor: four owner buckets,
+    each packed from copies of its transposed weight gradients. The copies
+    read only the gradients, so MLX queued the next bucket's beside the
+    reduce-scatter before it, whose wait held back only the concatenation:
+    the step peaked at 35.42 MiB against 34.20 planned (at N=5 34.43
+    against 30.40; 2026-11-29, session 35). They now wait too (31.87)."""
+    pytest.importorskip("mlx_lm")
+    (r,) = _bench(3, tmp_path, "--models", "llama", "--dims", "128", "--gpt-layers", "12",
+                  "--modes", "fsdp", "--optimizers", "adafactor")
+    _bounded_both_ways([r])
+
+
 def test_many_small_buckets_whose_gathers_wait_are_bounded(tmp_path):
     """With 64 KiB buckets each flat bucket's gather waits for its own
     update but the next update not for it (mlx_fsdp/step.py): counted apart
