@@ -107,8 +107,9 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             # an owner's rows): read from the gradients alone, they were
             # queued beside the bucket before (mlx-lm's Llama 12 x 128 with
             # Adafactor at MPI N=5, four owner buckets: 34.42 MiB, 30.05 so).
-            for slot in bucket.slots:
-                grads[slot.index] = order.chain(grads[slot.index])
+            at = [slot.index for slot in bucket.slots]
+            for i, g in zip(at, order.after([grads[i] for i in at], eager=True)):
+                grads[i] = g
         if bucket.sharded_params:
             mine = bucketed.sum_over_replicas(bucket, layout.held_of(bucket, grads, rank), rank,
                                               opts.dp_group, order=order, stream=stream)
