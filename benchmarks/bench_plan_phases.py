@@ -95,7 +95,7 @@ def measure(model_name: str, optimizer: str, reshard: bool, args, group) -> dict
             worst = [max(w, m) for w, m in zip(worst, measured)]
     rows = mx.distributed.all_gather(mx.array(worst, mx.int64)[None], group=group).tolist()
     return {"model": model_name, "optimizer": optimizer, "reshard": reshard,
-            "measured": [max(r[i] for r in rows) for i in range(3)],
+            "activations": activations, "measured": [max(r[i] for r in rows) for i in range(3)],
             "predicted": [max(p[0].peak for p in phases), max(p[1].peak for p in phases), peak]}
 
 

@@ -86,6 +86,40 @@ def pass_walk(units: Units, gradients: int, rank: int) -> Tuple[int, int]:
     return gradients, units.last
 
 
+#: What the CPU's fully sharded pass holds of its batch beyond the model's
+#: own pass, as a fraction of the activations, with its blocks' activations
+#: kept or, the model wrapped once and resharded, the whole pass recomputed
+#: (:func:`wrapped_pass`).
+WRAPPED_PASS = {"kept": 0.16, "recomputed": 0.30}
+
+
+def wrapped_pass(activations: int, wrap: str, reshard_after_forward: bool) -> int:
+    """The activations of the CPU's fully sharded pass: the model's own pass's and more.
+
+    MLX runs an operation as late as its consumers allow. In the model's own
+    pass a weight's gradient is an output of the evaluation; wrapped, it is
+    an input of its unit's reduce-scatter, and the pass then holds other
+    arrays of the batch at its fullest: up to three of the largest a layer
+    has (2 to 2.75 MiB each on mlx-lm's Llama 2 x 128 at 32 x 64 tokens),
+    which of them changing with the graph's shape, not with the collectives
+    (with the all-gathers and reduce-scatters replaced by local copies it
+    held the same). Measured (``bench_plan_phases.py``, 2026-11-29, 64
+    points: the GPT and mlx-lm's Llama, 2 to 8 blocks of 64 and 128,
+    batches of 512 to 2048 tokens, ring N=2, MPI N=3 and 4, wrapped per
+    block and once), the pass alone above the count of the model's own
+    pass measured by up to 15.4% of its activations (the GPT 2 x 64 at
+    batch 32, MPI N=4), the step by up to 10.6%; the model wrapped once and
+    resharded, recomputing its whole pass, by up to 26.8% and 21.8%. Blocks
+    resharded are counted as ``mx.checkpoint``'s, fitted to fully sharded
+    steps themselves (:data:`mlx_fsdp.plan_memory.activations.PACED`), and
+    get nothing more.
+    """
+    if wrap == "blocks" and reshard_after_forward:
+        return activations
+    return activations + int(WRAPPED_PASS["recomputed" if reshard_after_forward else "kept"]
+                             * activations)
+
+
 def reduced_after_blocks(backward: dict, activations: int, units: Units) -> RankMemory:
     """The CPU's pass at its fullest, each unit reduced after its backward pass.
 

@@ -13,7 +13,8 @@ import mlx.core as mx
 
 from ..fused import use_fused_updates
 from . import fully, optimizers
-from .backward import pass_spare, pass_walk, reduced_after_blocks, update_during_backward
+from .backward import (pass_spare, pass_walk, reduced_after_blocks, update_during_backward,
+                       wrapped_pass)
 from .buffers import resolve_reduce_scatter
 from .clipping import clip_bytes
 from .parts import RankMemory, tree_bytes
@@ -82,7 +83,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         update = dict(common, communication=0 if accumulation == "none" else grads,
                       new_parameters=held["largest"] + (grads if keeps_old_parameters else 0))
         if phases or apart:  # each alone: the pass's activations, the update's temporaries
-            pair = (reduced_after_blocks(backward, activations, units) if apart
+            wrapped = wrapped_pass(activations, wrap, reshard_after_forward)
+            pair = (reduced_after_blocks(backward, wrapped, units) if apart
                     else RankMemory(**backward, activations=activations),
                     RankMemory(**update, temporaries=temps))
             out.append(pair if phases else max(pair, key=lambda r: r.peak))
