@@ -98,17 +98,17 @@ def wrapped_pass(activations: int, wrap: str, reshard_after_forward: bool) -> in
 
     MLX runs an operation as late as its consumers allow. In the model's own
     pass a weight's gradient is an output of the evaluation; wrapped, it is
-    an input of its unit's reduce-scatter, and the pass then holds other
-    arrays of the batch at its fullest: up to three of the largest a layer
-    has (2 to 2.75 MiB each on mlx-lm's Llama 2 x 128 at 32 x 64 tokens),
-    which of them changing with the graph's shape, not with the collectives
-    (with the all-gathers and reduce-scatters replaced by local copies it
-    held the same). Measured (``bench_plan_phases.py``, 2026-11-29, 64
-    points: the GPT and mlx-lm's Llama, 2 to 8 blocks of 64 and 128,
-    batches of 512 to 2048 tokens, ring N=2, MPI N=3 and 4, wrapped per
-    block and once), the pass alone above the count of the model's own
-    pass measured by up to 15.4% of its activations (the GPT 2 x 64 at
-    batch 32, MPI N=4), the step by up to 10.6%; the model wrapped once and
+    an input of its unit's reduce-scatter, and the pass then holds more
+    arrays of the batch at its fullest (mlx-lm's Llama 2 x 128 at 32 x 64
+    tokens: 9 MiB more, where a layer's largest arrays are of 2 and 2.75
+    MiB), which of them changing with the graph's shape, not with the
+    collectives (with the all-gathers and reduce-scatters replaced by local
+    copies it held as much). Measured (``bench_plan_phases.py``,
+    2026-11-29, 71 points: the GPT and mlx-lm's Llama, 2 to 8 blocks of 64
+    and 128, batches of 128 to 2048 tokens, ring N=2, MPI N=3 and 4,
+    wrapped per block and once), the pass alone measured above the count
+    of the model's own pass by up to 15.4% of its activations (the GPT 2 x
+    64 at batch 32, MPI N=4), the step by up to 10.6%; the model wrapped once and
     resharded, recomputing its whole pass, by up to 26.8% and 21.8%. Blocks
     resharded are counted as ``mx.checkpoint``'s, fitted to fully sharded
     steps themselves (:data:`mlx_fsdp.plan_memory.activations.PACED`), and
