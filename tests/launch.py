@@ -41,16 +41,28 @@ def mpi_env():
     return env
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152  # the IANA range's start, which macOS uses
+
+
 def _free_ports(count: int) -> int:
     """A first port of ``count`` consecutive free ones.
 
     mlx.launch's ring listens on 32323, 32324, ... by default; two ring jobs
     started at once on one machine (parallel test runs, a benchmark next to
-    the tests) would then connect to each other's ranks and hang.
+    the tests) would then connect to each other's ranks and hang. The ports
+    are drawn below the kernel's ephemeral range: any outgoing connection
+    may take a port in that range between this check and the ring's bind.
     """
+    top = max(_ephemeral_low(), 20000)
     rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(20000, 60000)
+        first = rng.randrange(10000, top - count)
         try:
             for port in range(first, first + count):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -103,6 +115,21 @@ def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, e
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(RANK_ENV)
     env.update(extra_env or {})
+    for _ in range(3):
+        result = _launch_once(n, script, args, backend, timeout, cwd, env, extra_env, mlx_launch)
+        code, out, _ = result
+        # Another process can still take a port between _free_ports' check
+        # and the ring's bind; that is the harness's race, not the test's.
+        if not (backend == "ring" and code != 0 and _BIND_FAILED in out):
+            return result
+    return result
+
+
+#: What the ring backend prints when a port it was given is taken.
+_BIND_FAILED = "Couldn't bind socket"
+
+
+def _launch_once(n, script, args, backend, timeout, cwd, env, extra_env, mlx_launch):
     cmd = command(n, script, [str(a) for a in args], backend, list(extra_env or {}), mlx_launch)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)
