@@ -198,6 +198,19 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
     return (reducing, 0), (updating - sum(b.held for b in buckets if b.held), gathered)
 
 
+#: What a gradient's buffer can hold beyond its bytes, at most, per array:
+#: MLX's backward pass writes some gradients into a larger buffer and
+#: returns a view of it, which keeps the whole buffer alive. Measured (mlx
+#: 0.32.4, CPU, 2026-11-29) on mlx-lm's Llama: a 48 x 96 key or value
+#: projection's gradient held 64 x 96 (6 KiB more), RMSNorm weights' up to
+#: 67% more than their bytes (160 elements held 256, 384 held 640), the 256 x
+#: 128 embedding's 8 rows more. 16 blocks of 96 held 196 KiB beyond their
+#: gradients' bytes, 64 blocks 700 KiB: above ``ddp_step``'s plan, whose
+#: packing phase has the least room. Counted as each gradient's bytes again,
+#: up to this.
+VIEW_SLACK = 8 * 1024
+
+
 class DdpBuffers(NamedTuple):
     """One DDP rank's buffers, in bytes (see the module docstring)."""
 
@@ -205,6 +218,7 @@ class DdpBuffers(NamedTuple):
     packing: int  #: the largest group's copies, alive while it is packed
     new_parameters: int  #: the largest array's new value
     groups: int  #: groups ``average_gradients`` packs (0: it all-sums array by array)
+    views: int = 0  #: what the gradients' buffers hold beyond their bytes (:data:`VIEW_SLACK`)
 
 
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
@@ -220,8 +234,9 @@ def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
         DdpBuffers: Bytes; one process averages nothing.
     """
     largest = max(g.nbytes for g in gradients)
+    views = sum(min(g.nbytes, VIEW_SLACK) for g in gradients)
     if world_size == 1:
-        return DdpBuffers(0, 0, largest, 0)
+        return DdpBuffers(0, 0, largest, 0, views)
     grads = sum(g.nbytes for g in gradients)
     group, used, groups = 0, 0, 0
     if communication_size > 0 and len({g.dtype for g in gradients}) == 1:
@@ -230,4 +245,4 @@ def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
             used += g.nbytes
             group = max(group, used)
             used = 0 if used >= communication_size else used
-    return DdpBuffers(grads, group, largest, groups)
+    return DdpBuffers(grads, group, largest, groups, views)

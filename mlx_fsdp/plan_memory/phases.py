@@ -213,16 +213,19 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     With one group (``average_gradients``' default 32 MiB holds the model) on
     the CPU, every update follows the all-sum, which follows the packing:
     the packing's copies are freed before any update runs, and meet only
-    the updates the main thread has queued ahead (``temporaries.ahead``).
+    the updates the main thread has queued ahead (``temporaries.ahead``,
+    over :data:`~mlx_fsdp.plan_memory.transient.ELEMENTWISE_IN_FLIGHT_OPS`).
     Counted beside the updates under way too, the MLP 4 x 256 with Lion at
     ring N=2 read 1.34x (10.10 MiB planned, 7.53 measured; 2026-11-28).
     With several groups a group's updates can run while the next is
     packed, and on a GPU the copies' buffers live until their command
     buffer finishes: both are counted at once. ``clip``: what clipping holds
     (:mod:`~mlx_fsdp.plan_memory.clipping`), after the averaging.
-    Default: ``Clip()`` (no clipping).
+    Default: ``Clip()`` (no clipping). In every phase the caller's gradients
+    keep their buffers, which can be larger than they are
+    (:data:`~mlx_fsdp.plan_memory.buffers.VIEW_SLACK`).
     """
-    both = replace(common, communication=buffers.averaged + buffers.packing,
+    both = replace(common, communication=buffers.averaged + buffers.packing + buffers.views,
                    new_parameters=buffers.new_parameters,
                    temporaries=clip.with_update(temporaries.side + temporaries.ahead))
     if device != "cpu" or buffers.groups != 1:
@@ -230,7 +233,7 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     # The step's small arrays (:data:`SMALL_ARRAYS`) in both: with SGD, whose
     # updates all fit in what is queued ahead, the MLP 4 x 256 at ring N=2
     # peaked 3,134 bytes below the packing phase's count without them.
-    updating = replace(both, communication=buffers.averaged + SMALL_ARRAYS)
+    updating = replace(both, communication=buffers.averaged + buffers.views + SMALL_ARRAYS)
     packing = replace(both, communication=both.communication + SMALL_ARRAYS, new_parameters=0,
                       temporaries=temporaries.ahead)  # the clipping comes after it
     return max(updating, packing, key=lambda r: r.peak)

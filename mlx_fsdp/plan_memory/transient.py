@@ -43,6 +43,15 @@ from .updates import Update, costs, matmul_workspace
 #: allocated at once whatever their number (50 ops).
 IN_FLIGHT_OPS = 50
 
+#: Element-wise operations the CPU scheduler keeps queued ahead of a busy
+#: worker: products of a held vector by a scalar, each followed by a sum
+#: that frees it, left 35 products allocated at once (70 operations); with
+#: an addition after each product, 25 (75); a matrix product of a sum, 20 of
+#: each (60; mlx 0.32.4, 2026-11-29). ``ddp_step``'s eager updates, queued
+#: while the worker packs and all-sums the gradients, are counted over it
+#: (:func:`mlx_fsdp.plan_memory.phases.ddp_fullest`).
+ELEMENTWISE_IN_FLIGHT_OPS = 75
+
 #: Operations an eager update on a GPU can have queued: MLX's main thread
 #: waits once more than 10 command buffers are unfinished (``MAX_ACTIVE_TASKS``
 #: in mlx/transforms.cpp), so 11 committed and one being filled, of up to 20
@@ -247,7 +256,8 @@ def overlap(optimizer: str, updates: Sequence[Update], compiled: bool = False,
         most = allocated(updates, workspace) + upcasts
         table = PLAIN_MASTER if any(u.upcast for u in updates) else PLAIN
         plain = min(most, plain_window(updates, *table.get(optimizer, PLAIN[optimizer])) + upcasts)
-        queued = min(plain, in_flight(updates)[1])  # of them, what can be queued ahead
+        # Of them, what can be queued ahead; element-wise, as they all are.
+        queued = min(plain, in_flight(updates, ELEMENTWISE_IN_FLIGHT_OPS)[1])
         return Temporaries(plain - queued, queued, most)
     kernels = traced or (device == "gpu" and compiled and whole_arrays)  # module docstring
     if kernels:
