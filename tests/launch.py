@@ -117,7 +117,7 @@ def _launch(n: int, script: str, args, backend: str, timeout: float, cwd: str, e
     env.update(extra_env or {})
     for _ in range(3):
         result = _launch_once(n, script, args, backend, timeout, cwd, env, extra_env, mlx_launch)
-        code, out, _ = result
+        code, out = result[:2]
         # Another process can still take a port between _free_ports' check
         # and the ring's bind; that is the harness's race, not the test's.
         if not (backend == "ring" and code != 0 and _BIND_FAILED in out):
