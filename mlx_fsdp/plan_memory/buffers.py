@@ -218,7 +218,7 @@ class DdpBuffers(NamedTuple):
     packing: int  #: the largest group's copies, alive while it is packed
     new_parameters: int  #: the largest array's new value
     groups: int  #: groups ``average_gradients`` packs (0: it all-sums array by array)
-    views: int = 0  #: what the gradients' buffers hold beyond their bytes (:data:`VIEW_SLACK`)
+    views: int  #: what the gradients' buffers hold beyond their bytes (:data:`VIEW_SLACK`)
 
 
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
