@@ -317,7 +317,8 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     gc.collect()
     mx.clear_cache()
     out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size(),
-           "reshard_after_forward": reshard, "compiled": args.compile}
+           "reshard_after_forward": reshard, "compiled": args.compile,
+           "activations": activations}  # as planned: re-plan a row offline with them
     for i, name in enumerate(("state", "masters", "accumulation", "parameters", "gradients")):
         out[name + "_measured"] = [r[2 * i] for r in rows]
         out[name + "_predicted"] = [r[2 * i + 1] for r in rows]

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_map
 
 import mlx_fsdp
 from launch import run_script
-from mlx_fsdp.plan_memory import estimate, fit, optimizers, shapes
+from mlx_fsdp.plan_memory import estimate, fit, optimizers, phases, shapes
 from mlx_fsdp.plan_memory.transient import (ELEMENTWISE_IN_FLIGHT_OPS, SCALAR_BYTES, temporaries,
                                            temporaries_apart)
 from mlx_fsdp.plan_memory.updates import PROFILES
@@ -701,13 +701,19 @@ def test_phases_count_the_pass_and_the_update_each_alone():
 
 
 def test_a_compiled_step_counts_its_compiled_update_and_reshards(capsys):
-    """mx.compile (mlx-lm's trainer) on the CPU: measured, the temporaries met the
-    activations, and the update is compiled with the step, its kernels filling
-    the run-ahead window: an MLP 8 x 1024 with AdamW held every update's new
-    shard and moments at once, as high resharded as not, while resharded
-    blocks did reshard (mlx-lm's Llama 8 x 256 with SGD: 45.66 against 76.60
-    MiB, 2026-11-28). Before, ``compiled`` counted no block resharded, and
-    the resharded Llama planned at 2.1x its peak."""
+    """mx.compile (mlx-lm's trainer) on the CPU: the update still waits for
+    the pass (mlx_fsdp.pace paces inside the trace), so each phase is counted
+    alone, but the pass as an unpaced one holds it, and the update compiled
+    with the step, its kernels filling the run-ahead window: an MLP 8 x 1024
+    with AdamW held every update's new shard and moments at once, as high
+    resharded as not, while resharded blocks did reshard (mlx-lm's Llama 8 x
+    256 with SGD: 45.66 against 76.60 MiB, 2026-11-28). Counted with the
+    activations beside the temporaries, 24 compiled steps at ring N=2 read
+    1.23-2.12x; so, 1.04-1.45x (2026-11-29, session 38). With the pass's
+    paced walk (the eager count), the GPT 2 x 128 without resharding peaked
+    up to 1.2% above its count. Under the all-sum both phases are counted
+    together, as before: at MPI N=4 that GPT's pass peaked up to 18% above
+    its count alone, from one launch to the next."""
     model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
                              "MLP")
     opts = dict(communication_size=1 << 20, device="cpu", activations=1 << 20)
@@ -715,10 +721,24 @@ def test_a_compiled_step_counts_its_compiled_update_and_reshards(capsys):
     compiled = estimate(model, "adamw", "fully_shard", 2, compiled=True, **opts)[0]
     resharded = estimate(model, "adamw", "fully_shard", 2, compiled=True,
                          reshard_after_forward=True, **opts)[0]
-    assert compiled.activations == 1 << 20
-    assert eager.temporaries == 0 or eager.activations == 0  # one phase alone
+    for one in (eager, compiled, resharded):
+        assert one.temporaries == 0 or one.activations == 0  # one phase alone
     assert compiled.peak > eager.peak
-    assert resharded.gathered < compiled.gathered and resharded.temporaries > 0
+    (eager_pass, eager_update), = estimate(model, "adamw", "fully_shard", 2, phases=True,
+                                           **opts)[:1]
+    (compiled_pass, compiled_update), = estimate(model, "adamw", "fully_shard", 2,
+                                                 phases=True, compiled=True, **opts)[:1]
+    assert compiled_update.temporaries > eager_update.temporaries
+    # Unpaced, every sharded gradient and a unit's reduce-scatter buffers meet
+    # the whole pass, where the paced one walks them.
+    assert compiled_pass.peak > eager_pass.peak
+    assert compiled_pass.activations == 1 << 20 and compiled_pass.communication > 0
+    (resharded_pass, _), = estimate(model, "adamw", "fully_shard", 2, phases=True,
+                                    compiled=True, reshard_after_forward=True, **opts)[:1]
+    assert resharded_pass.gathered < compiled_pass.gathered
+    summed = estimate(model, "adamw", "fully_shard", 2, compiled=True,
+                      reduce_scatter="all_sum", **opts)[0]
+    assert summed.temporaries > 0 and summed.activations == 1 << 20
     # Four compiled updates fit in the window: all their allocations at once.
     pieces = [(f"layers.{i}.weight", mx.zeros((128, 256))) for i in range(4)]
     apart = temporaries_apart("adamw", pieces, traced=True)
@@ -1254,8 +1274,9 @@ def test_a_whole_mlx_fsdp_lora_run_stays_below_its_plan(tmp_path):
     full fine-tuning, fully sharded with and without resharding, against
     ``python -m mlx_fsdp.plan_memory MODEL ... --compiled`` for the same
     batch: the whole run's peak on every rank is below the plan. Measured
-    2026-11-28 (Llama 8 x 256, every mode, AdamW and SGD): 1.18-1.86x; the
-    resharded LoRA runs 1.38x (2.13x while a compiled step was counted
+    2026-11-29 (session 38, Llama 8 x 256, every mode, AdamW and SGD):
+    1.15-1.55x, 1.18-1.86x while the compiled step was counted as unpaced;
+    the resharded LoRA runs 1.41x (2.13x while a compiled step was counted
     with no block resharded)."""
     pytest.importorskip("mlx_lm")
     out = tmp_path / "plan_lm.json"
@@ -1491,6 +1512,37 @@ def test_an_fsdp_step_compiled_whole_stays_below_the_cpus_phases(tmp_path):
     assert len(rows) == 2 * 2
     for r in rows:
         assert r["compiled"] and r["peak_measured"] <= r["peak_predicted"], r
+
+
+def test_an_fsdp_step_compiled_whole_is_bounded_both_ways_in_small_buckets(tmp_path):
+    """Compiled whole on a paced CPU, ``fsdp_step`` is counted as its eager
+    steps are, with two of its largest bucket's vectors more
+    (``phases.compiled_paced``). Counted as unpaced alone (every bucket's
+    buffers that MLX's run-ahead reaches, beside every temporary), these
+    points read up to 1.89x; without the two vectors the MLP with Adafactor
+    peaked 11% above the eager count (29.07 MiB against 26.13, 2026-11-29)."""
+    rows = _bench(2, tmp_path, "--modes", "fsdp", "--compile", "--communication-size",
+                  str(256 * 1024), "--models", "gpt", "mlp", "--optimizers", "sgd", "adafactor")
+    assert len(rows) == 2 * 2
+    _bounded_both_ways(rows)
+
+
+def test_a_compiled_fsdp_step_counts_what_compiling_adds_to_the_paced_step():
+    """The plan of an ``fsdp_step`` compiled whole on the CPU is its eager
+    plan and what compiling was measured to add: two of the largest bucket's
+    vectors, and under the all-sum two of the reduced pieces' bytes, where
+    that is less than the unpaced count."""
+    model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((512, 512)) for i in range(4)},
+                             "MLP")
+    opts = dict(communication_size=256 * 1024, device="cpu")
+    added = {}
+    for n in (2, 4):
+        eager = estimate(model, "sgd", "fsdp", n, **opts)[0]
+        compiled = estimate(model, "sgd", "fsdp", n, compiled=True, **opts)[0]
+        added[n] = compiled.peak - eager.peak
+    vector = 512 * 512 * 4  # one matrix a bucket
+    assert added[2] == phases.COMPILED_VECTORS * vector
+    assert added[4] > added[2]
 
 
 def test_the_compiled_update_a_gpu_runs_is_bounded_too(tmp_path):

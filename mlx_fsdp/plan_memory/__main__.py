@@ -114,8 +114,9 @@ def parse_args(argv=None):
                    "at a time, not all of them between the forward and the backward pass")
     g.add_argument("--compiled", action="store_true",
                    help="the step is compiled whole with mx.compile, as mlx-lm's trainer "
-                   "runs it: the update's temporaries and the activations (or fsdp_step's "
-                   "gathers) both counted, the update compiled with it (as measured on "
+                   "runs it: the update compiled with it; on the CPU fsdp_step holds two of "
+                   "its largest bucket's vectors more than eager, and fully_shard's pass, "
+                   "apart from its update at N=2, what an unpaced one does (as measured on "
                    "the CPU)")
     g = p.add_argument_group("output")
     g.add_argument("--memory", type=byte_size,

@@ -15,7 +15,8 @@ from . import optimizers
 from .clipping import Clip, clip_bytes
 from .buffers import ddp_buffers, fsdp_buffer_phases, fullest_index, resolve_reduce_scatter
 from .parts import RankMemory, tree_bytes
-from .phases import ddp_fullest, fsdp_fullest, phases_apart, reduces_ahead
+from .phases import (compiled_paced, ddp_fullest, fsdp_fullest, phases_apart,
+                     reduces_ahead)
 from .sharding import _fsdp_state, plain_state
 from .transient import overlap, update_costs
 
@@ -67,18 +68,27 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         fused = use_fused_updates(device)
         costed = update_costs(name, list(state["gradient"].items()), master_dtype, fused)
         temps = overlap(name, list(costed.values()), fused, device)
-        waits = not compiled and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-        buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, compiled))
-        split = None  # where the phases are apart, a gather meets its own updates' tail
-        if buckets and phases_apart(device, compiled):
-            own = set(state["paths"][fullest_index(buckets)])
-            split = tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
-                                  fused, device)
-                          for mine in (True, False))
         clip = clip_bytes(list(state["gradient"].values()), costed.values(), device) \
             if clipped else Clip()
-        fullest = fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, compiled,
-                               split, clip)
+
+        def fullest_of(traced: bool) -> RankMemory:
+            waits = not traced and not any(b.owned for b in buckets)  # see mlx_fsdp.step
+            buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, traced))
+            split = None  # where the phases are apart, a gather meets its own updates' tail
+            if buckets and phases_apart(device, traced):
+                own = set(state["paths"][fullest_index(buckets)])
+                split = tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
+                                      fused, device)
+                              for mine in (True, False))
+            return fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, traced,
+                                split, clip)
+
+        fullest = fullest_of(compiled)
+        if compiled and buckets and phases_apart(device):
+            # Compiled whole on a paced CPU: the paced count, and what the
+            # compiled step was measured to hold beyond it, where that is less.
+            fullest = min(fullest, compiled_paced(fullest_of(False), buckets, pieces, method),
+                          key=lambda r: r.peak)
         if accumulation == "sharded" and master_dtype is not None:
             # The step's sum of the carried and this micro-batch's pieces, beside
             # both: at MPI N=3 Adafactor on the MLP 4 x 256 in bfloat16 (two
