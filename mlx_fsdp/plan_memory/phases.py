@@ -72,9 +72,9 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
 
 #: A step compiled whole on a paced CPU holds this many of its largest
 #: bucket's vectors beyond the paced count, and under the all-sum (or
-#: native) reduce-scatter as many of its reduced pieces' bytes: its fused
-#: kernels fill the queue ahead further, so more of the next buckets'
-#: buffers meet the update. Fitted (mlx 0.32.4, 2026-11-29) on 108 compiled
+#: native) reduce-scatter as many of its reduced pieces' bytes (measured,
+#: not derived; perhaps its fused kernels let MLX queue further ahead, so
+#: that more buckets' buffers meet the update). Fitted (mlx 0.32.4, 2026-11-29) on 108 compiled
 #: ``fsdp_step`` points (ring N=2 in 64 KiB to 4 MiB buckets, MPI N=3 in 1
 #: MiB, MPI N=4 in 64 KiB, 256 KiB and one bucket; the MLP, the GPT and
 #: mlx-lm's Llama; six optimizers) as the least that keeps each 2% below:
