@@ -73,8 +73,13 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         fused = use_fused_updates(device)
         costed = list(update_costs(name, held["pieces"], master_dtype, fused or compiled).values())
         counted = overlap(name, costed, fused, device, traced=compiled)
-        temps = unpaced_update(name, costed, counted.side + counted.ahead, device,
-                               fused or (compiled and not alone), compiled and alone)
+        total = counted.side + counted.ahead
+        # Compiled whole and counted apart, the eager count's further arrays
+        # come on top of the compiled update's (without them Adafactor on the
+        # MLP 8 x 1024 at ring N=2 peaked 6% above the plan, 2026-11-29),
+        # never capped below it.
+        temps = unpaced_update(name, costed, total, device, fused or (compiled and not alone))
+        temps = max(temps, total) if compiled else temps
         if clipped:
             temps = clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
         spare = pass_spare(units, activations) if apart else (0, 0)
@@ -119,7 +124,7 @@ UNPACED_UNDER_WAY = {"adafactor": 2}
 
 
 def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
-                   device: str = "cpu", compiled: bool = False, traced: bool = False) -> int:
+                   device: str = "cpu", compiled: bool = False) -> int:
     """What an unpaced update of many pieces holds on the CPU.
 
     ``fully_shard``'s update is one graph of every piece's update with no
@@ -136,10 +141,7 @@ def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
     run-ahead both hold the largest updates, which on a few pieces counts
     them twice (Lion on the MLP 4 x 512 at ring N=2: its update alone peaked
     at 11.54 MiB, 18.18 counted without this, 14.53 with it; 2026-11-29).
-    On a GPU, and where :mod:`mlx_fsdp.fused` compiles the update alone
-    (``compiled``): ``counted``. In a step compiled whole ``counted`` is
-    the compiled update's, and these come on top: without them Adafactor
-    on the MLP 8 x 1024 at ring N=2 peaked 6% above the plan (2026-11-29).
+    On a GPU and compiled: ``counted``.
     """
     if device != "cpu" or compiled:
         return counted
@@ -149,5 +151,4 @@ def unpaced_update(optimizer: str, updates: Sequence[Update], counted: int,
     lives = sorted((u.live for u in updates), reverse=True)
     more = sum(lives[CHAINS:CHAINS + UNPACED_UNDER_WAY.get(optimizer, 0)])
     upcasts = sum(u.upcast for u in updates) if optimizer in PLAIN_UPCAST else 0
-    capped = min(counted + kept_bytes + more, allocated(updates, 0) + upcasts)
-    return max(capped, counted) if traced else capped
+    return min(counted + kept_bytes + more, allocated(updates, 0) + upcasts)
