@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -11,7 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 
 import mlx_fsdp
 from launch import run_script
-from mlx_fsdp.plan_memory import estimate, fit, optimizers, phases, shapes
+from mlx_fsdp.plan_memory import buffers, estimate, fit, optimizers, phases, shapes
 from mlx_fsdp.plan_memory.transient import (ELEMENTWISE_IN_FLIGHT_OPS, SCALAR_BYTES, temporaries,
                                            temporaries_apart)
 from mlx_fsdp.plan_memory.updates import PROFILES
@@ -774,6 +775,22 @@ def test_fsdp_counts_its_pass_apart_from_its_update_on_the_cpu(capsys):
     main(["--params", "7B", "--batch-size", "1", "--seq-len", "512", "--ranks", "2",
           "--mode", "fsdp", "--device", "cpu", "--optimizer", "sgd"])
     assert "fsdp: the step, or the pass with the acts, the fuller" in capsys.readouterr().out
+
+
+def test_both_wrappers_count_what_the_callers_gradients_buffers_hold(monkeypatch):
+    """The caller holds its gradients through the step, and MLX returns some
+    as views of larger buffers (``buffers.VIEW_SLACK``: a grouped-query key
+    projection's gradient of 48 x 96 held 64 x 96): ``ddp_step`` and
+    ``fsdp_step`` count each gradient's bytes again, up to the slack, in
+    every rank's step, at every N."""
+    model = shapes.llama(2, 96, 256, 128, 4, 2, tie=False, dtype="float32")
+    slack = sum(min(math.prod(a.shape) * 4, buffers.VIEW_SLACK) for a in model.arrays)
+    for mode, n in (("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("fsdp", 3)):
+        with_slack = estimate(model, "adamw", mode, n, device="cpu", every_rank=True)
+        monkeypatch.setattr(buffers, "VIEW_SLACK", 0)
+        without = estimate(model, "adamw", mode, n, device="cpu", every_rank=True)
+        monkeypatch.undo()
+        assert [w.peak for w in with_slack] == [w.peak + slack for w in without], (mode, n)
 
 
 def test_a_loop_that_keeps_its_old_parameters_counts_them_once_more(capsys):

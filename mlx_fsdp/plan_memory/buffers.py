@@ -211,6 +211,12 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
 VIEW_SLACK = 8 * 1024
 
 
+def view_slack(gradients: Sequence[mx.array]) -> int:
+    """What the caller's ``gradients`` can hold beyond their bytes, in every
+    phase of a step that leaves them to the caller (:data:`VIEW_SLACK`)."""
+    return sum(min(g.nbytes, VIEW_SLACK) for g in gradients)
+
+
 class DdpBuffers(NamedTuple):
     """One DDP rank's buffers, in bytes (see the module docstring)."""
 
@@ -234,7 +240,7 @@ def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
         DdpBuffers: Bytes; one process averages nothing.
     """
     largest = max(g.nbytes for g in gradients)
-    views = sum(min(g.nbytes, VIEW_SLACK) for g in gradients)
+    views = view_slack(gradients)
     if world_size == 1:
         return DdpBuffers(0, 0, largest, 0, views)
     grads = sum(g.nbytes for g in gradients)
