@@ -782,15 +782,21 @@ def test_both_wrappers_count_what_the_callers_gradients_buffers_hold(monkeypatch
     as views of larger buffers (``buffers.VIEW_SLACK``: a grouped-query key
     projection's gradient of 48 x 96 held 64 x 96): ``ddp_step`` and
     ``fsdp_step`` count each gradient's bytes again, up to the slack, in
-    every rank's step, at every N."""
+    every rank's step, at every N, and in ``fsdp_step``'s pass, which the
+    CPU counts apart from its step (there the fuller with 64 MiB of
+    activations)."""
     model = shapes.llama(2, 96, 256, 128, 4, 2, tie=False, dtype="float32")
     slack = sum(min(math.prod(a.shape) * 4, buffers.VIEW_SLACK) for a in model.arrays)
     for mode, n in (("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("fsdp", 3)):
-        with_slack = estimate(model, "adamw", mode, n, device="cpu", every_rank=True)
-        monkeypatch.setattr(buffers, "VIEW_SLACK", 0)
-        without = estimate(model, "adamw", mode, n, device="cpu", every_rank=True)
-        monkeypatch.undo()
-        assert [w.peak for w in with_slack] == [w.peak + slack for w in without], (mode, n)
+        for acts in (0, 64 << 20):
+            options = dict(device="cpu", every_rank=True, activations=acts)
+            with_slack = estimate(model, "adamw", mode, n, **options)
+            monkeypatch.setattr(buffers, "VIEW_SLACK", 0)
+            without = estimate(model, "adamw", mode, n, **options)
+            monkeypatch.undo()
+            assert [w.peak for w in with_slack] == [w.peak + slack for w in without], (mode, n)
+            if acts and mode == "fsdp" and n > 1:  # the pass, counted apart, is the fuller
+                assert all(w.activations == acts and w.temporaries == 0 for w in with_slack)
 
 
 def test_a_loop_that_keeps_its_old_parameters_counts_them_once_more(capsys):

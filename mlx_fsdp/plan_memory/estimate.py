@@ -45,7 +45,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from . import optimizers
-from .buffers import default_communication_size, default_device
+from .buffers import default_communication_size, default_device, view_slack
 from .fully_ranks import fully_memory
 from .parts import RankMemory, tree_bytes  # noqa: F401 (RankMemory: re-exported)
 from .phases import with_pass
@@ -229,8 +229,9 @@ def _ranks(model, optimizer, mode, world_size, dtype, master_dtype, communicatio
             ranks = fsdp_memory(optimizer, flat, param_bytes, world_size, communication_size,
                                 master, accumulation, reduce_scatter, device, compiled,
                                 {a.path: a.transposed for a in model.arrays}, budget, clipped)
+        views = view_slack([a for _, a in flat])
         return [with_pass(replace(r, new_parameters=r.new_parameters + kept), activations, mode,
-                          device, world_size) for r in ranks]
+                          device, world_size, views) for r in ranks]
     trained = dict(flat)
     floating = [(a.path, trained[a.path] if a.path in trained else
                  mx.zeros(a.shape, getattr(mx, a.dtype)))

@@ -272,7 +272,7 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
 
 
 def with_pass(step: RankMemory, activations: int, mode: str, device: str,
-              world_size: int) -> RankMemory:
+              world_size: int, views: int = 0) -> RankMemory:
     """One ``ddp_step`` or ``fsdp_step`` rank's ``step`` with one batch's pass.
 
     On the CPU ``fsdp_step``'s update waits for its last reduce-scatter and
@@ -282,7 +282,9 @@ def with_pass(step: RankMemory, activations: int, mode: str, device: str,
     parameters come; and its first reduce-scatter waits for every gradient
     (:mod:`mlx_fsdp.step`), so no communication buffer meets the pass. So
     the fuller of the two counts: the step, or the pass with its
-    activations beside the parameters, gradients, state and masters.
+    activations beside the parameters, gradients, state and masters, and
+    ``views``: what the gradients' buffers hold beyond their bytes
+    (:func:`~mlx_fsdp.plan_memory.buffers.view_slack`). Default: ``0``.
     ``ddp_step`` (not paced), one process and a GPU count both at once.
     Measured (``bench_plan_lm.py``, whole ``python -m mlx_fsdp.lora`` runs,
     2026-11-28): docs/memory-planner.md.
@@ -290,5 +292,5 @@ def with_pass(step: RankMemory, activations: int, mode: str, device: str,
     counted = replace(step, activations=activations)
     if mode != "fsdp" or world_size == 1 or device != "cpu" or not pace.QUEUE_DEPTH:
         return counted
-    return max(step, replace(counted, temporaries=0, new_parameters=0, communication=0),
+    return max(step, replace(counted, temporaries=0, new_parameters=0, communication=views),
                key=lambda r: r.peak)
