@@ -457,6 +457,12 @@ def test_fsdp_on_the_cpu_counts_each_phase_alone(monkeypatch):
                                   split=(Temporaries(40, 10, 99, last=30), Temporaries(s, 2, 99)))
                      for s in (0, 3))
     assert (alone.temporaries, beside.temporaries) == (40 + 25 + 4, 40 + 3 + 25 + 4)
+    # A small second update (a bias beside the bucket's matrix) adds what it
+    # has under way, 1, to the larger of the last update's 30 under way and
+    # the 25 queued ahead; not the 30 under way and the 25 queued ahead both.
+    biased = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(50, 10, 99), 25, [bucket],
+                          "cpu", False, split=(Temporaries(31, 25, 99, last=30), empty))
+    assert biased.temporaries == 30 + 1 + 25 + 4
     # Once it waits, the gathering phase holds the bucket's updated pieces in
     # place of its reduced ones: 40 - 10, beside what is left of the updates.
     gathering = fsdp_fullest(base, ((60, 0), (40, 30)), Temporaries(5, 10, 99, tail=5), 25,
@@ -521,6 +527,26 @@ def _size(shape):
     for d in shape:
         size *= d
     return size
+
+
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_bias_beside_an_owned_matrix_adds_its_own_temporaries(name, n):
+    """``fsdp_step`` on the CPU: an owner bucket's gather meets the tail of
+    the rank's own updates there. A bias beside each matrix adds its own
+    update's bytes to it, not the matrix's update again: counted so,
+    Adafactor's two 512 x 512 matrices at N=2 planned 1 MiB more
+    temporaries with their biases than without."""
+    def model(bias):
+        return shapes.Model("MLP", tuple(
+            shapes.Array(f"layers.{i}.{part}", shape, "float32", transposed=part == "weight")
+            for i in range(2)
+            for part, shape in (("weight", (512, 512)), ("bias", (512,)))[:1 + bias]))
+
+    without, with_bias = (estimate(model(bias), name, "fsdp", n, device="cpu", every_rank=True)
+                          for bias in (False, True))
+    for a, b in zip(without, with_bias):
+        assert a.temporaries <= b.temporaries <= a.temporaries + 64 * 1024, (a, b)
 
 
 def test_fully_shard_wraps_each_block_then_the_root():
