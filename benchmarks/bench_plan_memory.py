@@ -428,6 +428,11 @@ def main(argv=None):
     ratios = [r["peak_predicted"] / r["peak_measured"] for r in rows]
     print(f"predicted / measured: lowest {min(ratios):.3f} (below 1: measured above the "
           f"bound), highest {max(ratios):.3f}")
+    # Each rank's plan bounds that rank (ddp_step plans one for all).
+    each = [p / m for r in rows for p, m in zip(
+        r["peak_predicted_ranks"] * (len(r["peak_measured_ranks"]) // len(r["peak_predicted_ranks"])),
+        r["peak_measured_ranks"])]
+    print(f"rank by rank: lowest {min(each):.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "rows": rows}, f, indent=1)

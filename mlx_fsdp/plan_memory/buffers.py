@@ -41,7 +41,8 @@ and divided in place, and the arrays are views of it until their update, so
 the averaged gradients (as large as the gradients) are alive when the
 updates start. Before, while a group is packed, the copies that flatten its
 transposed gradients (a ``Linear`` weight's gradient is a transposed view)
-are alive too: counted as the largest group. The updates then replace the
+are alive too: counted as the largest group, and on the CPU as the groups
+packed while one is all-summed (:func:`ddp_buffers`). The updates then replace the
 old parameters array by array, so the new parameters count one array. One
 process (``N = 1``) has neither the averaging nor the buckets.
 
@@ -134,15 +135,16 @@ def reduce_buffers(bucket: BucketBytes, method: str) -> int:
 
 
 def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
-                ahead: int = 1) -> Tuple[int, int, int]:
+                ahead: int = 1, index: Optional[int] = None) -> Tuple[int, int, int]:
     """``(reducing, updating, gathered)``: one FSDP rank's buffers in its two phases.
 
     ``reducing``: what every other bucket keeps, plus the reduce-scatter
     buffers of the ``ahead`` consecutive buckets that hold the most (the
     largest bucket's with ``ahead=1``). ``updating``: what every bucket
-    keeps, the copies the division by ``N`` makes of it, and the fullest
+    keeps, the copies the division by ``N`` makes of it, and the gathered
     bucket's updated pieces and packed shard; ``gathered``: that bucket's
-    all-gathered vector. ``(0, 0, 0)`` without buckets.
+    all-gathered vector. The gathered bucket is ``buckets[index]``; by
+    default, the fullest (:func:`fullest_gather`). ``(0, 0, 0)`` without buckets.
     """
     if not buckets:
         return 0, 0, 0
@@ -157,7 +159,7 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
     sizes = [reduce_buffers(b, method) for b in buckets]
     reducing = reduced + max((sum(sizes[i:i + ahead])
                               for i in range(max(1, len(sizes) - ahead + 1))), default=0)
-    fullest = fullest_gather(buckets)
+    fullest = fullest_gather(buckets) if index is None else buckets[index]
     divided = sum(b.held for b in mine)
     return reducing, reduced + divided + fullest.held + fullest.packed, fullest.gathered
 
@@ -173,8 +175,8 @@ def fullest_index(buckets: Sequence[BucketBytes]) -> int:
                                                     + buckets[i].gathered, -i))
 
 
-def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
-                       ahead: int = 1) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str, ahead: int = 1,
+                       index: Optional[int] = None) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """``(reducing, gathering)`` of one FSDP rank (see the module docstring).
 
     Each phase of :func:`fsdp_phases` alone, as ``(communication, new
@@ -188,13 +190,15 @@ def fsdp_buffer_phases(buckets: Sequence[BucketBytes], method: str,
         ahead (int): Consecutive buckets whose reduce-scatter buffers are
             alive at once (:func:`mlx_fsdp.plan_memory.phases.reduces_ahead`).
             Default: ``1``.
+        index (int, optional): The gathered bucket. Default: ``None``, the
+            fullest (:func:`fullest_gather`).
 
     Returns:
         tuple: Bytes; ``((0, 0), (0, 0))`` without buckets.
     """
     if not buckets:
         return (0, 0), (0, 0)
-    reducing, updating, gathered = fsdp_phases(buckets, method, ahead)
+    reducing, updating, gathered = fsdp_phases(buckets, method, ahead, index)
     return (reducing, 0), (updating - sum(b.held for b in buckets if b.held), gathered)
 
 
@@ -221,20 +225,37 @@ class DdpBuffers(NamedTuple):
     """One DDP rank's buffers, in bytes (see the module docstring)."""
 
     averaged: int  #: the averaged gradients: every group's vector, all-summed in place
-    packing: int  #: the largest group's copies, alive while it is packed
+    packing: int  #: the copies of the groups packed at once (:func:`ddp_buffers`)
     new_parameters: int  #: the largest array's new value
     groups: int  #: groups ``average_gradients`` packs (0: it all-sums array by array)
     views: int  #: what the gradients' buffers hold beyond their bytes (:data:`VIEW_SLACK`)
 
 
+#: Operations ``mlx.nn.average_gradients`` makes of a group, beyond two per
+#: array (its flattening and its view of the result): the concatenation, the
+#: all-sum, the division and its divisor, the split (``mx.export_to_dot``,
+#: mlx 0.32.4).
+GROUP_OPS = 4
+
+
 def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
-                communication_size: int) -> DdpBuffers:
+                communication_size: int, window: int = 0) -> DdpBuffers:
     """:class:`DdpBuffers` of one DDP rank.
+
+    While a group is all-summed the main thread queues the next groups'
+    packing, allocating their copies: ``window`` bounds it, in operations
+    (the CPU's :data:`~mlx_fsdp.plan_memory.transient.IN_FLIGHT_OPS`). At
+    MPI N=3 and 4 the MLP 4 x 256 with SGD in groups of 256 KiB (five, of a
+    weight, or a bias and a weight) peaked at 5.77 MiB, 5.56 counted with
+    the largest group's copies alone (2026-11-29).
 
     Args:
         gradients (list[array]): The gradients, in tree order.
         world_size (int): Ranks.
         communication_size (int): ``average_gradients``' group size in bytes.
+        window (int): Operations queued ahead of the worker whose groups'
+            copies are counted together (at least one group's). Default:
+            ``0``, the largest group's alone.
 
     Returns:
         DdpBuffers: Bytes; one process averages nothing.
@@ -244,11 +265,21 @@ def ddp_buffers(gradients: Sequence[mx.array], world_size: int,
     if world_size == 1:
         return DdpBuffers(0, 0, largest, 0, views)
     grads = sum(g.nbytes for g in gradients)
-    group, used, groups = 0, 0, 0
+    sizes, ops, used = [], [], 0  # per group: its bytes and operations
     if communication_size > 0 and len({g.dtype for g in gradients}) == 1:
         for g in gradients:  # average_gradients closes a group once it reaches the size
-            groups += used == 0
+            if used == 0:
+                sizes.append(0)
+                ops.append(GROUP_OPS)
+            sizes[-1] += g.nbytes
+            ops[-1] += 2
             used += g.nbytes
-            group = max(group, used)
             used = 0 if used >= communication_size else used
-    return DdpBuffers(grads, group, largest, groups, views)
+    packing = 0
+    for start in range(len(sizes)):
+        end, queued = start + 1, ops[start]
+        while end < len(sizes) and queued + ops[end] <= window:
+            queued += ops[end]
+            end += 1
+        packing = max(packing, sum(sizes[start:end]))
+    return DdpBuffers(grads, packing, largest, len(sizes), views)

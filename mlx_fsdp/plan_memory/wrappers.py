@@ -19,7 +19,7 @@ from .parts import RankMemory, tree_bytes
 from .phases import (compiled_paced, ddp_fullest, fsdp_fullest, phases_apart,
                      reduces_ahead)
 from .sharding import _fsdp_state, plain_state
-from .transient import overlap, update_costs
+from .transient import IN_FLIGHT_OPS, overlap, update_costs
 
 
 def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -38,8 +38,9 @@ def ddp_memory(name: str, flat, param_bytes: int, world_size: int, communication
     costed = list(update_costs(name, flat, master_dtype, fused).values())
     temps = overlap(name, costed, fused, device, whole_arrays=True)
     clip = clip_bytes([a for _, a in flat], costed, device) if clipped else Clip()
-    return ddp_fullest(common, ddp_buffers([a for _, a in flat], world_size, communication_size),
-                       temps, device, clip)
+    window = IN_FLIGHT_OPS if device == "cpu" else 0  # a GPU's: not measured
+    return ddp_fullest(common, ddp_buffers([a for _, a in flat], world_size, communication_size,
+                                           window), temps, device, clip)
 
 
 def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communication_size: int,
@@ -75,15 +76,32 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
 
         def fullest_of(traced: bool) -> RankMemory:
             waits = not traced and not any(b.owned for b in buckets)  # see mlx_fsdp.step
-            buffers = fsdp_buffer_phases(buckets, method, reduces_ahead(device, traced))
-            split = None  # where the phases are apart, a gather meets its own updates' tail
-            if buckets and phases_apart(device, traced):
-                own = set(state["paths"][fullest_index(buckets)])
-                split = tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
-                                      fused, device)
-                              for mine in (True, False))
-            return fsdp_fullest(common, buffers, temps, pieces, buckets, device, waits, traced,
-                                split, clip)
+            ahead = reduces_ahead(device, traced)
+            if not (buckets and phases_apart(device, traced)):
+                return fsdp_fullest(common, fsdp_buffer_phases(buckets, method, ahead), temps,
+                                    pieces, buckets, device, waits, traced, None, clip)
+            # Where the phases are apart, a gather meets its own updates'
+            # tail: at the fullest gather, or, where a rank owns whole
+            # arrays, at the bucket of its largest updates, whichever is
+            # fuller (the fullest is the first of equals: at MPI N=3 in 1
+            # MiB buckets the MLP 4 x 512's first matrix, another rank's;
+            # counted there alone, with Muon rank 1 peaked above its plan,
+            # 22.02 MiB against 19.13; 2026-11-29).
+            candidates = {fullest_index(buckets)}
+            if not waits:
+                owned = [sum(costed[p].total for p in paths if p in costed)
+                         for paths in state["paths"]]
+                candidates.add(owned.index(max(owned)))
+            return max((fsdp_fullest(common, fsdp_buffer_phases(buckets, method, ahead, i),
+                                     temps, pieces, buckets, device, waits, traced, split_at(i),
+                                     clip) for i in sorted(candidates)),
+                       key=lambda r: r.peak)
+
+        def split_at(index: int) -> tuple:
+            own = set(state["paths"][index])
+            return tuple(overlap(name, [u for p, u in costed.items() if (p in own) == mine],
+                                 fused, device)
+                         for mine in (True, False))
 
         fullest = fullest_of(compiled)
         if compiled and buckets and phases_apart(device):
