@@ -161,26 +161,17 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     late += split[1].kept if split else 0
     if split:
         # An owner bucket's gather follows its own updates' last operations:
-        # it meets their tail (the last update under way and what is queued
-        # ahead), and what is under way of the other buckets' updates. With
-        # the larger of the first two alone, Muon with three matrices a rank
+        # it meets their tail and what is under way of the other buckets'
+        # updates (with what those queued ahead too, the GPT 2 x 128 with
+        # Muon at MPI N=4 in 64 KiB buckets read 1.60x; no point needed it).
+        # The tail: the larger of the last update under way and what is
+        # queued ahead, and the second update under way (``side`` less
+        # ``last``). With the larger alone, Muon's three matrices a rank
         # peaked above the plan (the MLP 9 x 256 in bfloat16 at MPI N=3:
-        # 11.52 MiB against 10.30; 9 x 320 18.00, 16.05; 6 x 256 at ring N=2
-        # 9.51, 9.17; 2026-11-29, session 34), and with both the MLP 4 x 512
-        # at ring N=2 reads 1.36x (43.54 MiB against 32.02). With the others'
-        # queued ahead too, no measured point needed them (the GPT 2 x 128
-        # with Muon at MPI N=4, 64 KiB buckets: 1.60x so, 9.72 MiB against
-        # 6.07). With two updates under way, not the last alone, Adafactor on
-        # the MLP 4 x 512 in bfloat16 at ring N=2 (two matrices a rank) read
-        # 1.58x (19.10 MiB against 12.06; 16.39 so, 2026-11-29).
+        # 11.52 MiB, 10.30 counted); a bias beside a matrix adds its own
+        # bytes, not the matrix's update again (Adafactor on the MLP 4 x 512
+        # at ring N=2 read 1.45x counted twice, 1.29x). docs/memory-planner.md.
         own, others = split
-        # The larger of the last update under way and what is queued ahead,
-        # and the second update under way (``side`` less ``last``): a
-        # bucket of one update is its own tail, and a matrix's
-        # bias adds its own bytes, not the matrix's update a second time
-        # (the MLP 4 x 512 with Adafactor at ring N=2, 18.05 MiB measured,
-        # read 1.45x with the bias's update counted as the matrix's, 1.29x so;
-        # 14 held-out Muon and Adafactor points, 1.18-1.51x, none below).
         tail = max(own.last, own.ahead) + own.side - own.last
         meets = min(tail + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
@@ -255,8 +246,8 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     Counted beside the updates under way too, the MLP 4 x 256 with Lion at
     ring N=2 read 1.34x (10.10 MiB planned, 7.53 measured; 2026-11-28).
     With several groups a group's updates can run while the next is
-    packed, and on a GPU the copies' buffers live until their command
-    buffer finishes: both are counted at once. ``clip``: what clipping holds
+    packed, unless clipped, and on a GPU the copies' buffers live until
+    their command buffer finishes: both are counted at once. ``clip``: what clipping holds
     (:mod:`~mlx_fsdp.plan_memory.clipping`), after the averaging.
     Default: ``Clip()`` (no clipping). In every phase the caller's gradients
     keep their buffers, which can be larger than they are
@@ -265,14 +256,20 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     both = replace(common, communication=buffers.averaged + buffers.packing + buffers.views,
                    new_parameters=buffers.new_parameters,
                    temporaries=clip.with_update(temporaries.side + temporaries.ahead))
-    if device != "cpu" or buffers.groups != 1:
+    several = buffers.groups != 1
+    if device != "cpu" or (several and not clip.copies):
         return both
+    # Clipped, no update starts before the last group is averaged: the
+    # global norm reads every gradient. A group's packing can meet the
+    # norm's squares of the groups before it, queued ahead (Clip.norm).
+    # Counted at once, groups of 256 KiB at MPI N=3 read up to 1.91x.
+    ahead = max(temporaries.ahead, clip.norm) if several else temporaries.ahead
     # The step's small arrays (:data:`SMALL_ARRAYS`) in both: with SGD, whose
     # updates all fit in what is queued ahead, the MLP 4 x 256 at ring N=2
     # peaked 3,134 bytes below the packing phase's count without them.
     updating = replace(both, communication=buffers.averaged + buffers.views + SMALL_ARRAYS)
     packing = replace(both, communication=both.communication + SMALL_ARRAYS, new_parameters=0,
-                      temporaries=temporaries.ahead)  # the clipping comes after it
+                      temporaries=ahead)  # the clipping comes after it
     return max(updating, packing, key=lambda r: r.peak)
 
 
