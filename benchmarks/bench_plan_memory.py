@@ -429,9 +429,9 @@ def main(argv=None):
     print(f"predicted / measured: lowest {min(ratios):.3f} (below 1: measured above the "
           f"bound), highest {max(ratios):.3f}")
     # Each rank's plan bounds that rank (ddp_step plans one for all).
-    each = [p / m for r in rows for p, m in zip(
-        r["peak_predicted_ranks"] * (len(r["peak_measured_ranks"]) // len(r["peak_predicted_ranks"])),
-        r["peak_measured_ranks"])]
+    each = [p / m for r in rows
+            for p, m in zip(r["peak_predicted_ranks"] * len(r["peak_measured_ranks"]),
+                            r["peak_measured_ranks"])]
     print(f"rank by rank: lowest {min(each):.3f}")
     if args.json:
         with open(args.json, "w") as f:
