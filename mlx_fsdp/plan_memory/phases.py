@@ -245,9 +245,11 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     over :data:`~mlx_fsdp.plan_memory.transient.ELEMENTWISE_IN_FLIGHT_OPS`).
     Counted beside the updates under way too, the MLP 4 x 256 with Lion at
     ring N=2 read 1.34x (10.10 MiB planned, 7.53 measured; 2026-11-28).
-    With several groups a group's updates can run while the next is
-    packed, unless clipped, and on a GPU the copies' buffers live until
-    their command buffer finishes: both are counted at once. ``clip``: what clipping holds
+    So in several groups (``buffers.packing``: the groups packed at once),
+    though a group's updates can run while the next is packed: counted at
+    once, 108 measured points read up to 1.89x (docs/memory-planner.md). On
+    a GPU the copies' buffers live until their command buffer finishes:
+    both are counted at once. ``clip``: what clipping holds
     (:mod:`~mlx_fsdp.plan_memory.clipping`), after the averaging.
     Default: ``Clip()`` (no clipping). In every phase the caller's gradients
     keep their buffers, which can be larger than they are
@@ -256,14 +258,13 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     both = replace(common, communication=buffers.averaged + buffers.packing + buffers.views,
                    new_parameters=buffers.new_parameters,
                    temporaries=clip.with_update(temporaries.side + temporaries.ahead))
-    several = buffers.groups != 1
-    if device != "cpu" or (several and not clip.copies):
+    if device != "cpu":
         return both
     # Clipped, no update starts before the last group is averaged: the
     # global norm reads every gradient. A group's packing can meet the
     # norm's squares of the groups before it, queued ahead (Clip.norm).
     # Counted at once, groups of 256 KiB at MPI N=3 read up to 1.91x.
-    ahead = max(temporaries.ahead, clip.norm) if several else temporaries.ahead
+    ahead = max(temporaries.ahead, clip.norm) if buffers.groups != 1 else temporaries.ahead
     # The step's small arrays (:data:`SMALL_ARRAYS`) in both: with SGD, whose
     # updates all fit in what is queued ahead, the MLP 4 x 256 at ring N=2
     # peaked 3,134 bytes below the packing phase's count without them.
