@@ -1248,6 +1248,22 @@ def test_every_ranks_plan_bounds_its_own_peak(tmp_path):
             assert measured <= planned, r
 
 
+def test_both_ranks_of_the_exchange_are_planned_at_the_fuller(tmp_path):
+    """At ring N=2 (the reduce-scatter an exchange) rank 0 of mlx-lm's
+    Llama 1 x 256 in bfloat16 with Lion peaked at 12.06 MiB against 11.74
+    planned for it, the fuller rank 1's plan 12.41 (2026-11-30): both ranks
+    are planned at the fuller's peak, the state of each its own."""
+    pytest.importorskip("mlx_lm")
+    rows = _bench(2, tmp_path, "--models", "llama", "--dims", "256", "--gpt-layers", "1",
+                  "--dtype", "bfloat16", "--modes", "fsdp", "--optimizers", "lion")
+    assert len(rows) == 1
+    (r,) = rows
+    assert r["equal"], r
+    assert len(set(r["peak_predicted_ranks"])) == 1, r
+    for measured, planned in zip(r["peak_measured_ranks"], r["peak_predicted_ranks"]):
+        assert measured <= planned, r
+
+
 def test_the_two_rank_exchange_frees_what_it_received_before_the_update(tmp_path):
     """At two ranks the reduce-scatter is an exchange whose all-gather
     returns both halves (mlx_fsdp/collectives.py); the step's last token was
