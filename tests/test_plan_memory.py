@@ -1117,10 +1117,10 @@ def test_ddp_in_several_groups_counts_its_packing_and_its_update_apart(tmp_path)
 
 def test_plain_adamw_through_masters_on_a_one_block_llama_is_bounded(tmp_path):
     """The plain AdamW on mlx-lm's Llama of one block of 256 in bfloat16 with
-    float32 masters, on one process (``ddp_step`` there, and ``fsdp_step``):
-    every array's update is under way at once. Counted with one array kept
-    per update (``transient.PLAIN_MASTER``, fitted on the MLP and the GPT),
-    it peaked at 22.36 MiB against 21.87 planned (2026-11-30)."""
+    float32 masters, on one process (``ddp_step`` there, and ``fsdp_step``),
+    a shape ``transient.PLAIN_MASTER`` was not fitted on (the MLP and the
+    GPT were): counted with one array kept per update, it peaked at 22.36
+    MiB against 21.87 planned (2026-11-30)."""
     pytest.importorskip("mlx_lm")
     rows = _bench(1, tmp_path, "--models", "llama", "--dims", "256", "--gpt-layers", "1",
                   "--dtype", "bfloat16", "--modes", "ddp", "--optimizers", "adamw")
