@@ -1029,6 +1029,21 @@ def test_lions_pieces_kept_to_the_step_end_are_counted_beside_every_gather(tmp_p
     _bounded_both_ways(rows)
 
 
+def test_lion_through_masters_keeps_nothing_to_the_step_end(tmp_path):
+    """``fsdp_step`` with Lion on the MLP 4 x 512 in bfloat16 with float32
+    masters, 1 MiB buckets, ring N=2: what Lion keeps to the step's end in
+    float32 (``transient.KEPT_TO_THE_END``) was not seen through masters.
+    Counted there, the plan read 1.35x the measured peak (13.78 MiB); not
+    counted, 1.21x (16.63 MiB, 2026-11-30). Every rank is held below its
+    own plan too."""
+    rows = _bench(2, tmp_path, "--modes", "fsdp", "--models", "mlp", "--optimizers", "lion",
+                  "--dtype", "bfloat16", "--communication-size", "1048576")
+    assert len(rows) == 1
+    _bounded_both_ways(rows)
+    r = rows[0]
+    assert all(m <= p for m, p in zip(r["peak_measured_ranks"], r["peak_predicted_ranks"])), r
+
+
 def test_a_flat_buckets_gather_meets_adams_updates_but_not_sgds_or_lions(tmp_path):
     """``fsdp_step`` on an MLP of 4 layers of 256 in one flat bucket at ring
     N=2: its gather waits for the bucket's updates. SGD and Lion peaked at
