@@ -66,7 +66,7 @@ import mlx.nn as nn  # noqa: E402
 
 import mlx_fsdp  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, optimizers, shapes  # noqa: E402
-from mlx_fsdp import collectives, pace  # noqa: E402
+from mlx_fsdp import collectives, layout, pace  # noqa: E402
 from mlx_fsdp.plan_memory.activations import (  # noqa: E402
     Shape, activation_bytes, pass_of)
 from mlx_fsdp.plan_memory.buffers import default_device  # noqa: E402
@@ -304,9 +304,12 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
         if measured:
             peak = max(peak, mx.get_peak_memory())
     # fsdp_step's new parameters are views of the gathered vectors, whose
-    # padding they keep alive: the real plan's, in the parameters' dtype.
+    # padding they keep alive, except where unpack copies them out: the real
+    # plan's, in the parameters' dtype (compiled, the planner counts every
+    # vector's padding there, as alive at the peak).
     padding = sum(b.padding(group.size()) * getattr(mx, b.param_dtype).size
-                  for b in opt.plan.buckets if not b.summed(group.size())) \
+                  for b in opt.plan.buckets if not b.summed(group.size())
+                  and (args.compile or not layout.copies_out(b, group.size()))) \
         if mode == "fsdp" and group.size() > 1 else 0
     row = mx.array([tree_bytes(opt.state["optimizer"]), mine.optimizer,
                     tree_bytes(opt.state.get("master", {})), mine.masters,

@@ -208,7 +208,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                 min(own.tail + own.kept + others.together, temporaries.most)
         phases[0] = replace(phases[0], communication=gat - fullest.held,
                             temporaries=chains + late + meets)
-        gather = fullest.packed + fullest.gathered if many else 0
+        gather = fullest.packed + fullest.new_parameters if many else 0
         # The main thread runs ahead of the worker while the worker waits in
         # a collective, so what it queues ahead meets the gathers (above),
         # beside the updates under way: MLX's graph order interleaves
@@ -223,7 +223,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # of 3.86 and 1.08 MiB) read 1.34x, and 1.26x so (2026-11-27).
         rest = list(buckets)
         rest.remove(fullest)
-        second = max((b.gathered for b in rest), default=0)
+        second = max((b.new_parameters for b in rest), default=0)
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=second if many else 0,
                               temporaries=chains + late + temporaries.side))

@@ -65,8 +65,12 @@ class BucketBytes(NamedTuple):
             packs only the peer's half; where it flattens an array on both
             sides of the split (a flat bucket's), twice.
         padding (int): The gathered vector's padding in the parameters'
-            dtype: the new parameters are views of that vector, so the
+            dtype: where the new parameters are views of that vector, the
             model keeps it from the first step on.
+        copied (int): What :func:`mlx_fsdp.layout.unpack` copies out of
+            the gathered vector (its arrays, where a quarter or more of it is
+            padding, :func:`mlx_fsdp.layout.copies_out`), so that the vector
+            and its padding are freed once the copies are made.
         slots (int): Its arrays: the two-rank exchange packs the half it
             sends into a vector of its own unless it is one array's
             (:func:`mlx_fsdp.plan_memory.buffers.reduce_buffers`).
@@ -83,6 +87,17 @@ class BucketBytes(NamedTuple):
     sent_copies: int = 0
     padding: int = 0
     slots: int = 1
+    copied: int = 0
+
+    @property
+    def kept_padding(self) -> int:
+        """The padding the new parameters keep alive between steps."""
+        return 0 if self.copied else self.padding
+
+    @property
+    def new_parameters(self) -> int:
+        """What its gather holds at once: the vector and the copies made of it."""
+        return self.gathered + self.copied
 
 
 def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
@@ -127,7 +142,9 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         packed=layout.join(parts, param_dtype).nbytes if len(parts) > 1 else 0,
         gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
         copies=copies + zeros, sent_copies=exchanged + zeros,
-        padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots))
+        padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots),
+        copied=sum(s.size for s in bucket.slots) * param_dtype.size
+        if layout.copies_out(bucket, world_size) else 0)
 
 
 def _fsdp_state(

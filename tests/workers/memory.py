@@ -1,9 +1,11 @@
 """Optimizer-state bytes and peak memory per rank, DDP vs FSDP, one phase each.
 
-Usage: memory.py HIDDEN LAYERS [OPTIMIZER]
+Usage: memory.py HIDDEN LAYERS [OPTIMIZER [BUCKET_BYTES]]
 
 OPTIMIZER is ``adamw`` (the default) or ``adafactor`` (every matrix whole on
-an owner rank).
+an owner rank); BUCKET_BYTES is the wrappers' ``communication_size``
+(default: theirs). ``*_kept``: what the model and optimizer hold after the
+steps beyond their arrays' bytes.
 """
 
 import gc
@@ -46,8 +48,14 @@ def phase(make_opt, hidden, layers, group, name):
         opt.update(model, g)
         mx.eval(model.parameters(), opt.state)
         del g
-    result = state_bytes(opt.state), mx.get_peak_memory()
-    del model, opt, vg, x, loss
+    peak = mx.get_peak_memory()
+    del loss
+    gc.collect()
+    mx.clear_cache()
+    arrays = sum(v.nbytes for tree in (model.parameters(), opt.state)
+                 for _, v in tree_flatten(tree))
+    result = state_bytes(opt.state), peak, mx.get_active_memory() - before - arrays
+    del model, opt, vg, x
     gc.collect()
     mx.clear_cache()
     # What outlives the model and the optimizer (nothing should).
@@ -57,9 +65,11 @@ def phase(make_opt, hidden, layers, group, name):
 group = mx.distributed.init()
 hidden, layers = int(sys.argv[1]), int(sys.argv[2])
 name = sys.argv[3] if len(sys.argv) > 3 else "adamw"
-ddp_state, ddp_peak, ddp_left = phase(lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0), hidden,
-                                      layers, group, name)
-fsdp_state, fsdp_peak, fsdp_left = phase(lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0), hidden,
-                                         layers, group, name)
+size = {"communication_size": int(sys.argv[4])} if len(sys.argv) > 4 else {}
+ddp_state, ddp_peak, ddp_kept, ddp_left = phase(
+    lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0, **size), hidden, layers, group, name)
+fsdp_state, fsdp_peak, fsdp_kept, fsdp_left = phase(
+    lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0, **size), hidden, layers, group, name)
 report(group, n=group.size(), ddp_state=ddp_state, fsdp_state=fsdp_state,
-       ddp_peak=ddp_peak, fsdp_peak=fsdp_peak, ddp_left=ddp_left, fsdp_left=fsdp_left)
+       ddp_peak=ddp_peak, fsdp_peak=fsdp_peak, ddp_kept=ddp_kept, fsdp_kept=fsdp_kept,
+       ddp_left=ddp_left, fsdp_left=fsdp_left)
