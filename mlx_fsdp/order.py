@@ -57,6 +57,11 @@ class CollectiveOrder:
         self._last: Optional[mx.array] = self._trace.token if self._trace is not None \
             else _last_of_group.get(self._key)
 
+    @property
+    def traced(self) -> bool:
+        """Whether the chain is built inside ``mx.compile``."""
+        return self._traced
+
     def join(self, parts, dtype) -> mx.array:
         """Concatenate ``parts`` into a collective's input, after the last collective."""
         if self._last is not None and len(parts) > 1:

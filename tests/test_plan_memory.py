@@ -377,7 +377,7 @@ def test_packing_copies_what_arrives_in_another_order(tmp_path):
     (row-major) in column order. The planner counts, from the module (a model
     directory's as mlx-lm builds it), the copies each bucket's packing makes,
     and every matrix where it does not know (a tree); the parameters keep the
-    padding of the gathered vectors.
+    padding of the gathered vectors they are views of (none here).
     Measured: MPI N=4, mlx-lm's Llama 8 x 128 with Adafactor peaked 18.6%
     above the count without them (bench_plan_memory.py, 2026-11-28)."""
     model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 48), nn.Linear(48, 8))
@@ -400,7 +400,10 @@ def test_packing_copies_what_arrives_in_another_order(tmp_path):
     for n in (2, 3):
         ranks = estimate(known, "adafactor", "fsdp", n, every_rank=True)
         plain = shape_only(known)[1]
-        assert all(r.parameters > plain for r in ranks)  # owner buckets are padded
+        # The owner bucket is a quarter or more padding (N=2) or all-summed
+        # without it (N=3): the new parameters are copies, and keep none of
+        # it (at N=2 a flat bucket's views keep its 72 elements of padding).
+        assert all(plain <= r.parameters <= plain + 288 for r in ranks)
         assert estimate(unknown, "adafactor", "fsdp", n)[0].peak >= ranks[0].peak
 
 

@@ -63,12 +63,14 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                             None, master_dtype, transposed)
         pieces = tree_bytes(state["gradient"])
         buckets = state["buckets"]
-        # Inside mx.compile the gathered vectors, padding included, were as
-        # alive at the peak with copies as with views (the MLP 4 x 512 with
-        # Adafactor in 1 MiB buckets at ring N=2: 28.07 MiB either way).
-        padding = sum(b.padding if compiled else b.kept_padding for b in buckets)
+        if compiled:
+            # Inside mx.compile the gathered vectors, padding included, were
+            # as alive at the peak with copies as with views (the MLP 4 x 512
+            # with Adafactor in 1 MiB buckets at ring N=2: 28.07 MiB either
+            # way): counted as views.
+            buckets = [b._replace(copied=0) for b in buckets]
         common = RankMemory(
-            parameters=param_bytes + padding, gradients=grads,
+            parameters=param_bytes + sum(b.kept_padding for b in buckets), gradients=grads,
             accumulation={"none": 0, "local": grads, "sharded": pieces}[accumulation],
             optimizer=tree_bytes(state["optimizer"]), masters=tree_bytes(state["master"]),
             communication=0, new_parameters=0)
