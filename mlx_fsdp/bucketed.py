@@ -145,7 +145,8 @@ def gather_bucket(bucket, mine: dict, group, *, order: CollectiveOrder,
         # The next gather waits for the copies, which free this vector: MLX
         # would run them as late as their consumers allow, at the step's
         # end, with every gathered vector alive (the MLP 16 x 256 with
-        # Adafactor in 256 KiB buckets, ring N=2: 16.31 MiB, 10.82 so).
+        # Adafactor in 256 KiB buckets, ring N=2, bench_plan_memory.py:
+        # 16.31 MiB, 10.82 so).
         # Eagerly only: a compiled step is planned, and was measured, without.
         order.follow(mx.depends([vector], out)[0])
     return out

@@ -162,9 +162,10 @@ def fsdp_phases(buckets: Sequence[BucketBytes], method: str,
                               for i in range(max(1, len(sizes) - ahead + 1))), default=0)
     fullest = fullest_gather(buckets) if index is None else buckets[index]
     divided = sum(b.held for b in mine)
-    # The copies of the bucket gathered before it, too: the gather waits
-    # for them (mlx_fsdp.bucketed), and they met the next one's (the MLP 3
-    # x 1024 with Adafactor at ring N=2: 88.08 MiB, 84.27 counted without).
+    # The copies of the bucket gathered before it (the largest other's), too:
+    # the gather waits for them (mlx_fsdp.bucketed), and they met the next
+    # one's (the MLP 3 x 1024 with Adafactor at ring N=2: 88.08 MiB, 84.27
+    # counted without).
     before = max((b.copied for b in buckets if b is not fullest), default=0)
     return (reducing, reduced + divided + fullest.held + fullest.packed,
             fullest.new_parameters + before)

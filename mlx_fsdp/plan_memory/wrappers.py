@@ -64,10 +64,11 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         pieces = tree_bytes(state["gradient"])
         buckets = state["buckets"]
         if compiled:
-            # Inside mx.compile the gathered vectors, padding included, were
-            # as alive at the peak with copies as with views (the MLP 4 x 512
-            # with Adafactor in 1 MiB buckets at ring N=2: 28.07 MiB either
-            # way): counted as views.
+            # Inside mx.compile the step does not wait for a bucket's copies
+            # (mlx_fsdp.bucketed), and its vectors are counted as views: the
+            # MLP 4 x 512 with Adafactor in 1 MiB buckets at ring N=2 peaked
+            # at 28.07 MiB with views, 29.07 with the copies (2026-11-29),
+            # 27.17 counted so.
             buckets = [b._replace(copied=0) for b in buckets]
         common = RankMemory(
             parameters=param_bytes + sum(b.kept_padding for b in buckets), gradients=grads,
