@@ -231,11 +231,12 @@ def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tu
     """
     kept = extra = 0
     for b in plan.buckets:
-        vector = bucket_bytes(b, arrays, world_size, 0).gathered
+        sized = bucket_bytes(b, arrays, world_size, 0)
+        vector = sized.gathered
         own = sum(arrays[s.index].nbytes for s in b.slots)
         if b.by_rows and len(b.slots) > 1:  # copied run by run: the rest of the vector
             kept, extra = kept + own, extra + vector - own
-        elif not b.summed(world_size) and layout.copies_out(b, world_size):  # and the vector
+        elif sized.copied:  # copied out whole (layout.copies_out): and the vector
             kept, extra = kept + own, extra + vector
         else:
             kept += vector
