@@ -16,6 +16,7 @@ from .. import pace
 from .parts import RankMemory
 from .buffers import DdpBuffers, fullest_gather
 from .clipping import Clip
+from .freed import Freed
 from .sharding import BucketBytes
 from .transient import IN_FLIGHT_OPS, Temporaries
 
@@ -102,27 +103,26 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                  buckets: Sequence[BucketBytes], device: str,
                  gathers_wait: bool = False, compiled: bool = False,
                  split: Optional[Tuple[Temporaries, Temporaries]] = None,
-                 clip: Clip = Clip()) -> RankMemory:
+                 clip: Clip = Clip(), freed: Freed = Freed()) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
     ``(reducing, gathering)``, each ``(communication, new parameters)``;
     ``temporaries``: the update's
     (:class:`~mlx_fsdp.plan_memory.transient.Temporaries`: under way, queued
-    ahead, and at most, all updates' allocations); ``pieces``:
-    the reduced pieces with their division's copies, which the update
-    holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
+    ahead, and at most, all updates' allocations); ``pieces``: the reduced
+    pieces with their division's copies, which the update holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
     no bucket is an owner's, so every all-gather waits for its bucket's
     update on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
-    ``compiled``: the step is compiled whole, and counted as unpaced (its
-    MPI N=4 points measured up to 5.3% above the paced count). Default: ``False``.
+    ``compiled``: the step is compiled whole, counted as unpaced. Default: ``False``.
     ``split``: the temporaries of the fullest gather's bucket's own updates,
     and of every other bucket's, whose ``kept`` meets every gather.
     Default: ``None`` (every update counted beside the gather).
     ``clip``: what clipping holds (:mod:`~mlx_fsdp.plan_memory.clipping`):
     its copies in every phase of the update, and a phase of its own before
     it, the norm's, with the reduced pieces and the updates queued ahead.
-    Default: ``Clip()`` (no clipping).
+    Default: ``Clip()`` (no clipping). ``freed``: what the gathered bucket
+    meets no more (:mod:`~mlx_fsdp.plan_memory.freed`). Default: ``Freed()``.
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
@@ -175,8 +175,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         tail = max(own.last, own.ahead) + own.side - own.last
         meets = min(tail + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
-    phases = [replace(common, communication=gat, new_parameters=gat_new,
-                      temporaries=chains + late + meets + pieces)]
+    phases = [replace(common, freed=-freed.parameters,
+                      communication=gat - freed.reduced, new_parameters=gat_new,
+                      temporaries=chains + late + meets + pieces - freed.divided)]
     if gathers_wait:
         # The update has consumed the gathered bucket's reduced pieces, and
         # its updated pieces (counted in ``gat``) stand in their place.

@@ -94,8 +94,10 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f}"
 
 
-#: Column -> RankMemory field; the fully sharded pass's two only where a row has them.
-COLUMNS = {"params": "parameters", "grads": "gradients", "accum": "accumulation",
+#: Column -> RankMemory field; the fully sharded pass's two only where a row
+#: has them, ``freed`` only where a row frees old parameters.
+COLUMNS = {"params": "parameters", "freed": "freed", "grads": "gradients",
+           "accum": "accumulation",
            "opt state": "optimizer", "masters": "masters", "gathered": "gathered",
            "full grads": "full_gradients", "comm": "communication",
            "new params": "new_parameters", "temps": "temporaries",
@@ -136,7 +138,9 @@ def table(rows: Sequence[Row], memory: Optional[int], lead=None) -> str:
     ``lead``: ``(headers, cells per row)`` put after the mode and N.
     """
     fully = any(row.mode == "fully_shard" for row in rows)
-    columns = [c for c in COLUMNS if fully or c not in ("gathered", "full grads")]
+    freed = any(row.fullest.freed for row in rows)
+    columns = [c for c in COLUMNS if (fully or c not in ("gathered", "full grads"))
+               and (freed or c != "freed")]
     extra, cells_of = lead or ([], [[] for _ in rows])
     header = ["mode", "N"] + list(extra) + columns + (
         [f"fits {gib(memory)} GiB"] if memory is not None else [])

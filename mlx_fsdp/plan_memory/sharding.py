@@ -88,6 +88,7 @@ class BucketBytes(NamedTuple):
     padding: int = 0
     slots: int = 1
     copied: int = 0
+    elsewhere: int = 0
 
     @property
     def kept_padding(self) -> int:
@@ -125,6 +126,11 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
              + (not bucket.owned and layout.held_range(bucket, s, rank) is not None)
              for s in copied] if world_size == 2 else []
     exchanged = sum(n * s.size for n, s in zip(sides, copied)) * itemsize
+    # An owner bucket's arrays another rank updates: this rank gets them back
+    # from the gather alone.
+    apart = not bucket.summed(world_size) and layout.copies_out(bucket, world_size)
+    elsewhere = (sum(s.size for s in bucket.slots) - sum(a.size for a in mine.values())) \
+        * param_dtype.size if bucket.owned and (apart or not mine) else 0
     if bucket.summed(world_size):
         size = summed.elements(bucket)
         # The gather's input: this rank's arrays and -0.0 for the others'
@@ -133,7 +139,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         return BucketBytes(vector=size * itemsize, shard=held, held=held, packed=sent,
                            gathered=size * param_dtype.size, summed=True, owned=True,
                            copies=copies, sent_copies=copies,  # never exchanged
-                           slots=len(bucket.slots))
+                           slots=len(bucket.slots), elsewhere=elsewhere)
     parts = layout.held_parts(bucket, mine, rank)
     zeros = 0 if bucket.by_rows else bucket.padding(world_size) * itemsize
     return BucketBytes(
@@ -144,7 +150,8 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         copies=copies + zeros, sent_copies=exchanged + zeros,
         padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots),
         copied=sum(s.size for s in bucket.slots) * param_dtype.size
-        if layout.copies_out(bucket, world_size) else 0)
+        if layout.copies_out(bucket, world_size) else 0,
+        elsewhere=elsewhere)
 
 
 def _fsdp_state(

@@ -13,6 +13,7 @@ import mlx.core as mx
 from ..fused import use_fused_updates
 from . import optimizers
 from .clipping import Clip, clip_bytes
+from .freed import Freed, freed_before, with_room
 from .buffers import (ddp_buffers, fsdp_buffer_phases, fullest_index,
                       resolve_reduce_scatter, view_slack)
 from .parts import RankMemory, tree_bytes
@@ -95,14 +96,24 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             # counted there alone, with Muon rank 1 peaked above its plan,
             # 22.02 MiB against 19.13; 2026-11-29).
             candidates = {fullest_index(buckets)}
+            freed = [Freed()] * len(buckets)
             if not waits:
                 owned = [sum(costed[p].total for p in paths if p in costed)
                          for paths in state["paths"]]
                 candidates.add(owned.index(max(owned)))
-            return max((fsdp_fullest(common, fsdp_buffer_phases(buckets, method, ahead, i),
-                                     temps, pieces, buckets, device, waits, traced, split_at(i),
-                                     clip) for i in sorted(candidates)),
-                       key=lambda r: r.peak)
+                # What was freed before a gather can make a later one the
+                # fullest: the gathers holding the most of what is left.
+                freed = freed_before(buckets, method) if not compiled else freed
+                left = [b.held + b.packed + b.new_parameters + o - sum(f)
+                        for b, o, f in zip(buckets, owned, freed)]
+                candidates.update(sorted(range(len(buckets)), key=lambda i: -left[i])[:8])
+
+            def at(i: int) -> RankMemory:
+                split = split_at(i)
+                return fsdp_fullest(common, fsdp_buffer_phases(buckets, method, ahead, i), temps,
+                                    pieces, buckets, device, waits, traced, split, clip,
+                                    with_room(freed[i], split[1]))
+            return max(map(at, sorted(candidates)), key=lambda r: r.peak)
 
         def split_at(index: int) -> tuple:
             own = set(state["paths"][index])
