@@ -33,7 +33,10 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
   GPU's matmul workspaces (:mod:`mlx_fsdp.plan_memory.transient`), and
   with ``max_norm`` the clipping's copies and squares
   (:mod:`mlx_fsdp.plan_memory.clipping`);
-* **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`).
+* **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`);
+* **freed** (negative; ``fsdp``, eager on the CPU): the old parameters of
+  arrays another rank updates whole, gone by the fullest gather
+  (:mod:`mlx_fsdp.plan_memory.freed`).
 
 The **peak** is their sum, an upper bound of one step (``benchmarks/bench_plan_memory.py``).
 """
