@@ -111,13 +111,13 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     ``temporaries``: the update's
     (:class:`~mlx_fsdp.plan_memory.transient.Temporaries`: under way, queued
     ahead, and at most, all updates' allocations); ``pieces``: the reduced
-    pieces with their division's copies, which the update holds; ``buckets``: the rank's bytes of every bucket. ``gathers_wait``:
-    no bucket is an owner's, so every all-gather waits for its bucket's
-    update on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
+    pieces with their division's copies, which the update holds;
+    ``buckets``: the rank's bytes of every bucket. ``gathers_wait``: no
+    bucket is an owner's, so every all-gather waits for its bucket's update
+    on the CPU (:mod:`mlx_fsdp.step`). Default: ``False``.
     ``compiled``: the step is compiled whole, counted as unpaced. Default: ``False``.
-    ``split``: the temporaries of the fullest gather's bucket's own updates,
-    and of every other bucket's, whose ``kept`` meets every gather.
-    Default: ``None`` (every update counted beside the gather).
+    ``split``: the temporaries of the gathered bucket's own updates and of every
+    other bucket's, whose ``kept`` meets every gather. Default: ``None`` (all).
     ``clip``: what clipping holds (:mod:`~mlx_fsdp.plan_memory.clipping`):
     its copies in every phase of the update, and a phase of its own before
     it, the norm's, with the reduced pieces and the updates queued ahead.

@@ -97,8 +97,8 @@ def gib(nbytes: int) -> str:
 #: Column -> RankMemory field; the fully sharded pass's two only where a row
 #: has them, ``freed`` only where a row frees old parameters.
 COLUMNS = {"params": "parameters", "freed": "freed", "grads": "gradients",
-           "accum": "accumulation",
-           "opt state": "optimizer", "masters": "masters", "gathered": "gathered",
+           "accum": "accumulation", "opt state": "optimizer", "masters": "masters",
+           "gathered": "gathered",
            "full grads": "full_gradients", "comm": "communication",
            "new params": "new_parameters", "temps": "temporaries",
            "acts": "activations", "peak": "peak"}

@@ -74,6 +74,11 @@ class BucketBytes(NamedTuple):
         slots (int): Its arrays: the two-rank exchange packs the half it
             sends into a vector of its own unless it is one array's
             (:func:`mlx_fsdp.plan_memory.buffers.reduce_buffers`).
+        elsewhere (int): An owner bucket's arrays another rank updates, in
+            the parameters' dtype, where their old values have buffers of
+            their own (copied out, or none of the bucket this rank's):
+            freed once the model lets them go
+            (:mod:`mlx_fsdp.plan_memory.freed`).
     """
 
     vector: int
@@ -126,8 +131,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
              + (not bucket.owned and layout.held_range(bucket, s, rank) is not None)
              for s in copied] if world_size == 2 else []
     exchanged = sum(n * s.size for n, s in zip(sides, copied)) * itemsize
-    # An owner bucket's arrays another rank updates: this rank gets them back
-    # from the gather alone.
+    # Copied out of the gathered vector, the new arrays have buffers of their own.
     apart = not bucket.summed(world_size) and layout.copies_out(bucket, world_size)
     elsewhere = (sum(s.size for s in bucket.slots) - sum(a.size for a in mine.values())) \
         * param_dtype.size if bucket.owned and (apart or not mine) else 0
@@ -149,8 +153,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
         copies=copies + zeros, sent_copies=exchanged + zeros,
         padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots),
-        copied=sum(s.size for s in bucket.slots) * param_dtype.size
-        if layout.copies_out(bucket, world_size) else 0,
+        copied=sum(s.size for s in bucket.slots) * param_dtype.size if apart else 0,
         elsewhere=elsewhere)
 
 
