@@ -133,8 +133,9 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
     exchanged = sum(n * s.size for n, s in zip(sides, copied)) * itemsize
     # Copied out of the gathered vector, the new arrays have buffers of their own.
     apart = not bucket.summed(world_size) and layout.copies_out(bucket, world_size)
-    elsewhere = (sum(s.size for s in bucket.slots) - sum(a.size for a in mine.values())) \
-        * param_dtype.size if bucket.owned and (apart or not mine) else 0
+    whole = sum(s.size for s in bucket.slots) * param_dtype.size
+    elsewhere = whole - sum(a.size for a in mine.values()) * param_dtype.size \
+        if bucket.owned and (apart or not mine) else 0
     if bucket.summed(world_size):
         size = summed.elements(bucket)
         # The gather's input: this rank's arrays and -0.0 for the others'
@@ -153,7 +154,7 @@ def bucket_bytes(bucket, arrays: Sequence[mx.array], world_size: int, rank: int,
         gathered=world_size * bucket.cols * param_dtype.size, owned=bucket.owned,
         copies=copies + zeros, sent_copies=exchanged + zeros,
         padding=bucket.padding(world_size) * param_dtype.size, slots=len(bucket.slots),
-        copied=sum(s.size for s in bucket.slots) * param_dtype.size if apart else 0,
+        copied=whole if apart else 0,
         elsewhere=elsewhere)
 
 

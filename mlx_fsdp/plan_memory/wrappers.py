@@ -103,7 +103,8 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                 candidates.add(owned.index(max(owned)))
                 # What was freed before a gather can make a later one the
                 # fullest: the gathers holding the most of what is left.
-                freed = freed_before(buckets, method) if not compiled else freed
+                if not compiled:  # compiled whole, planned as before (mlx_fsdp.plan_memory.freed)
+                    freed = freed_before(buckets, method)
                 left = [b.held + b.packed + b.new_parameters + o - sum(f)
                         for b, o, f in zip(buckets, owned, freed)]
                 candidates.update(sorted(range(len(buckets)), key=lambda i: -left[i])[:8])
