@@ -45,6 +45,8 @@ order MLX gives it, as on a GPU.
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py
     mpirun --allow-run-as-root --oversubscribe -n 4 python benchmarks/bench_plan_memory.py
     python benchmarks/bench_plan_memory.py --models mlp --optimizers adamw muon --json out.json
+    mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py \
+        --record benchmarks/records/plan_memory.jsonl   # then: python benchmarks/replan_records.py
     mlx.launch -n 2 --backend ring -- python benchmarks/bench_plan_memory.py --modes fully_shard \
         --reshard-after-forward off on
 """
@@ -54,6 +56,7 @@ import gc
 import json
 import os
 import sys
+import time
 from functools import partial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -234,6 +237,18 @@ def backend_of(group) -> str:
     return "nccl" if default_device() == "gpu" else "jaccl"
 
 
+def plan_options(args, reshard: bool, activations: int, device: str, reduce_scatter) -> dict:
+    """The planner's options for one point of ``args``, as its measurement runs it
+    (``reduce_scatter``: the group's method, ``None`` on one process)."""
+    return dict(
+        master_dtype="float32" if args.dtype != "float32" else None,
+        communication_size=args.communication_size, accumulation=args.accumulation,
+        device=device, reduce_scatter=reduce_scatter, wrap=args.wrap,
+        reshard_after_forward=reshard, every_rank=True, activations=activations,
+        compiled=args.compile, keeps_old_parameters=args.hold_old_parameters,
+        max_norm=args.max_norm)
+
+
 def measure(model_name: str, optimizer: str, mode: str, args, group,
             reshard: bool = False) -> dict:
     """One phase: the real step's bytes and peak, and the planner's prediction.
@@ -269,15 +284,8 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     else:
         fixed = gradients(model, model_name, group.rank(), args)
     opt = wrapper(inner, mode, args, group)
-    options = dict(
-        master_dtype="float32" if args.dtype != "float32" else None,
-        communication_size=args.communication_size, accumulation=args.accumulation,
-        device=default_device(),
-        reduce_scatter=collectives.reduce_scatter_method(group) if group.size() > 1 else None,
-        wrap=args.wrap, reshard_after_forward=reshard, every_rank=True, activations=activations,
-        compiled=args.compile, keeps_old_parameters=args.hold_old_parameters,
-        max_norm=args.max_norm,
-    )
+    options = plan_options(args, reshard, activations, default_device(),
+                           collectives.reduce_scatter_method(group) if group.size() > 1 else None)
     predicted = estimate(plain, optimizer, mode, group.size(), **options)
     mine = predicted[group.rank() if mode != "ddp" else 0]
     # What the rank holds of gradients: fully sharded, its pass may peak
@@ -321,6 +329,7 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     mx.clear_cache()
     out = {"model": model_name, "optimizer": optimizer, "mode": mode, "n": group.size(),
            "reshard_after_forward": reshard, "compiled": args.compile,
+           "reduce_scatter": options["reduce_scatter"],
            "activations": activations}  # as planned: re-plan a row offline with them
     for i, name in enumerate(("state", "masters", "accumulation", "parameters", "gradients")):
         out[name + "_measured"] = [r[2 * i] for r in rows]
@@ -334,6 +343,26 @@ def measure(model_name: str, optimizer: str, mode: str, args, group,
     out["peak_measured_ranks"] = [r[10] for r in rows]
     out["peak_predicted_ranks"] = [r.peak for r in predicted]
     return out
+
+
+#: The settings a record keeps of a run: all that the planner's options and the
+#: models read (benchmarks/records/README.md).
+RECORDED = ("hidden", "layers", "dims", "gpt_layers", "batch_size", "seq_len", "dtype",
+            "communication_size", "accumulation", "wrap", "compile", "unpaced",
+            "hold_old_parameters", "max_norm")
+
+
+def record_of(row: dict, args) -> dict:
+    """One measured point as a line of benchmarks/records/plan_memory.jsonl."""
+    n = row["n"]
+    mpi = any(k.startswith("OMPI_COMM_WORLD") for k in os.environ)
+    return {"model": row["model"], "optimizer": row["optimizer"], "mode": row["mode"], "n": n,
+            "reshard_after_forward": row["reshard_after_forward"],
+            "activations": row["activations"], "device": default_device(),
+            "backend": "mpi" if mpi else "ring", "reduce_scatter": row["reduce_scatter"],
+            "config": {k: getattr(args, k) for k in RECORDED},
+            "measured": row["peak_measured_ranks"],
+            "measured_on": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def parse_args(argv=None):
@@ -388,6 +417,9 @@ def parse_args(argv=None):
                    help="steps measured after the first; the peak is the highest (default 10; "
                    "3 for a quicker look that may miss the fullest step)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--record", metavar="PATH",
+                   help="also append each point to a records file, e.g. "
+                   "benchmarks/records/plan_memory.jsonl (replan_records.py)")
     args = p.parse_args(argv)
     if args.seq_len > 64 and "gpt" in args.models:
         p.error(f"--seq-len {args.seq_len}: the GPT's position table holds 64; pass at most "
@@ -439,6 +471,10 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+    if args.record:
+        with open(args.record, "a") as f:
+            for r in rows:
+                f.write(json.dumps(record_of(r, args), separators=(",", ":")) + "\n")
 
 
 if __name__ == "__main__":

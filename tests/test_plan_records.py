@@ -1,0 +1,61 @@
+"""The memory planner against every recorded measurement (benchmarks/records).
+
+Each record is a peak that ``bench_plan_memory.py`` measured on real ranks,
+rank by rank; re-planned with this checkout's planner, no rank may have
+peaked above its plan. A planner change that lowers a count below a peak
+once measured fails here, without running a step.
+"""
+
+import importlib.util
+import statistics
+import sys
+
+import pytest
+
+sys.path.insert(0, "benchmarks")
+import replan_records as rr  # noqa: E402
+
+HAVE_MLX_LM = importlib.util.find_spec("mlx_lm") is not None
+
+
+@pytest.fixture(scope="module")
+def replanned():
+    """``(record, planned peaks by rank)`` for every record this machine can build."""
+    models = {}
+    return [(r, rr.replan(r, models)) for r in rr.load()
+            if HAVE_MLX_LM or r["model"] != "llama"]
+
+
+def test_records_cover_every_mode_optimizer_and_model():
+    """The records span what the planner is used for: every wrapper, eager and
+    compiled, every optimizer, the three models, float32 and bfloat16, and N
+    from 2 to 8 over ring and MPI."""
+    records = rr.load()
+    assert len(records) >= 1200
+    assert {rr.set_of(r) for r in records} == {
+        "ddp_step", "fsdp_step, eager", "fsdp_step, compiled",
+        "fully sharded, eager", "fully sharded, compiled"}
+    assert {r["optimizer"] for r in records} == {"adamw", "adam", "sgd", "lion", "muon",
+                                                 "adafactor"}
+    assert {r["model"] for r in records} == {"mlp", "gpt", "llama"}
+    assert {r["config"]["dtype"] for r in records} == {"float32", "bfloat16"}
+    assert {r["n"] for r in records} == set(range(2, 9)) - {7}
+    assert all(len(r["measured"]) == r["n"] for r in records)
+
+
+def test_every_recorded_rank_peaked_below_its_plan(replanned):
+    """Measured <= planned, rank by rank, on every record (the plan's upper bound)."""
+    above = [f"{min(p / m for p, m in zip(planned, r['measured'])):.4f} {rr.describe(r)}"
+             for r, planned in replanned if any(m > p for p, m in zip(planned, r["measured"]))]
+    assert not above, "measured above the plan:\n" + "\n".join(above)
+
+
+def test_the_plan_stays_as_close_as_recorded(replanned):
+    """How far above the peaks the plan is, held where it stands (2026-11-30):
+    median 1.24x, the loosest 2.20x (a compiled fully sharded GPT with Muon at
+    MPI N=4). A change that loosens the plan broadly shows here; the issue's
+    aim, every point within 1.3x, is not met (the loosest are small models
+    with Muon, Adafactor and Lion)."""
+    fullest = [max(p) / max(r["measured"]) for r, p in replanned]
+    assert statistics.median(fullest) <= 1.25
+    assert max(fullest) <= 2.2
