@@ -52,10 +52,10 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
     """How far above the peaks the plan is, held where it stands (2026-11-30):
-    median 1.24x, the loosest 2.20x (a compiled fully sharded GPT with Muon at
-    MPI N=4). A change that loosens the plan broadly shows here; the issue's
+    median 1.24x, the loosest 2.10x (the GPT 3 x 192 with Adafactor, fully
+    sharded and compiled whole, at MPI N=3). A change that loosens the plan broadly shows here; the issue's
     aim, every point within 1.3x, is not met (the loosest are small models
     with Muon, Adafactor and Lion)."""
     fullest = [max(p) / max(r["measured"]) for r, p in replanned]
     assert statistics.median(fullest) <= 1.25
-    assert max(fullest) <= 2.2
+    assert max(fullest) <= 2.15

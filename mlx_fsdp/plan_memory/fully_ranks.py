@@ -56,11 +56,11 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     apart = phases_apart(device, compiled)
     # Compiled whole, the update waits for the pass too (mlx_fsdp.pace
     # paces inside mx.compile), but the pass holds what an unpaced one
-    # does: each phase alone, the pass counted as unpaced. Not under the
-    # all-sum: there the GPT 2 x 128 with Lion at MPI N=4 peaked at 9.63 MiB
-    # in two launches and 10.39 in a third, its pass counted so 8.84
-    # (2026-11-29).
+    # does: each phase alone, the pass counted as unpaced. Under the
+    # all-sum the pass held more than that (COMPILED_UNITS): there each
+    # phase alone with that much more, where it is less than both at once.
     alone = apart or (compiled and phases_apart(device) and method == "exchange")
+    hedged = compiled and phases_apart(device) and not alone
     out = []
     for rank in range(world_size) if owned or every_rank else [0]:
         if budget is not None and out and not phases and out[-1].peak > budget:
@@ -78,10 +78,13 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
         # come on top of the compiled update's (without them Adafactor on the
         # MLP 8 x 1024 at ring N=2 peaked 6% above the plan, 2026-11-29),
         # never capped below it.
-        temps = unpaced_update(name, costed, total, device, fused or (compiled and not alone))
-        temps = max(temps, total) if compiled else temps
-        if clipped:
-            temps = clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
+        def update_temps(traced: bool) -> int:
+            temps = unpaced_update(name, costed, total, device, fused or traced)
+            temps = max(temps, total) if compiled else temps
+            if not clipped:
+                return temps
+            return clip_bytes([a for _, a in held["pieces"]], costed, device).with_update(temps)
+        temps = update_temps(compiled and not alone)
         spare = pass_spare(units, activations) if apart else (0, 0)
         walked, gathered = pass_walk(units, grads, rank) if apart else (grads, units.gathered)
         if apart:  # a gather's vector and a reduce-scatter's buffers: never at once
@@ -101,12 +104,33 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                     RankMemory(**update, temporaries=temps))
             out.append(pair if phases else max(pair, key=lambda r: r.peak))
             continue
+        if hedged:
+            more = dict(backward, communication=(1 + COMPILED_UNITS) * units.communication)
+            each = max(RankMemory(**more, activations=activations),
+                       RankMemory(**update, temporaries=update_temps(False)),
+                       key=lambda r: r.peak)
         backward.update(update_during_backward(device, held, grads, units, rank))
-        out.append(max(RankMemory(**backward, temporaries=temps, activations=activations),
-                       RankMemory(**update, temporaries=temps, activations=activations),
-                       key=lambda r: r.peak))  # a tie: the backward pass
+        both = max(RankMemory(**backward, temporaries=temps, activations=activations),
+                   RankMemory(**update, temporaries=temps, activations=activations),
+                   key=lambda r: r.peak)  # a tie: the backward pass
+        out.append(min(both, each, key=lambda r: r.peak) if hedged else both)
     return out
 
+
+#: A fully sharded step compiled whole on a paced CPU under the all-sum
+#: holds, beyond its pass counted alone, up to this many more units'
+#: reduce-scatter buffers (``fully.Units.communication``): measured, not
+#: derived (perhaps MLX queues the next units' collectives further ahead
+#: inside a compiled graph). The GPT 2 x 128 with Lion at MPI N=4 peaked at
+#: 9.63 MiB in two launches and 10.39 in a third, its pass counted alone
+#: 8.84 and a unit's buffers 0.94 (2026-11-29). Its step is counted so where
+#: that is less than both phases at once (mlx 0.32.4, 2026-11-30): the 40
+#: recorded points read 1.049-2.101x, median 1.31 (1.049-2.196x, median
+#: 1.55, at once); 36 measured after (the GPT 3 x 192 at MPI N=3, the MLP
+#: 6 x 384 and mlx-lm's Llama 4 x 256 in bfloat16 at MPI N=4, resharded
+#: and not, six optimizers) 1.200-2.102x, median 1.34 (1.211-2.262x,
+#: median 1.66, at once), every rank below its plan.
+COMPILED_UNITS = 2
 
 #: Updates under way in ``fully_shard``'s update on the CPU beyond the
 #: :data:`~mlx_fsdp.plan_memory.transient.CHAINS` largest that

@@ -32,8 +32,8 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     ``compiled``, a step compiled whole counted as unpaced: ``fsdp_step``'s
     plan keeps that count where it is less than the paced count with what
     compiling was measured to add (:func:`compiled_paced`); a fully sharded
-    step under the exchange is counted apart, compiled or not
-    (:func:`mlx_fsdp.plan_memory.fully_ranks.fully_memory`).
+    one apart (under the all-sum with what compiling added, where that is
+    less: :func:`mlx_fsdp.plan_memory.fully_ranks.fully_memory`).
     """
     return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
 
