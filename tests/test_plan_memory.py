@@ -1272,6 +1272,51 @@ def test_every_ranks_plan_bounds_its_own_peak(tmp_path):
             assert measured <= planned, r
 
 
+def test_local_accumulation_sums_are_counted_only_while_reduced():
+    """An eager ``fsdp_step`` on the CPU: local accumulation's sums are read by
+    the reduce-scatters alone, and the update waits for the last, so the
+    update's phase holds none of them: the buffer shows in ``accumulation``
+    and ``freed`` takes it off there. The next micro-batch's pass holds it,
+    and a GPU's step and a step compiled whole are counted with it."""
+    model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((512, 512)) for i in range(4)},
+                             "MLP")
+    grads = 4 * 512 * 512 * 4
+    cpu = dict(device="cpu", communication_size=1 << 20)
+    none = estimate(model, "adamw", "fsdp", 2, **cpu)[0]
+    local = estimate(model, "adamw", "fsdp", 2, accumulation="local", **cpu)[0]
+    assert local.accumulation == grads and local.freed == -grads
+    assert local.peak == none.peak  # the update's phase, the fuller, as without
+    batch = estimate(model, "adamw", "fsdp", 2, accumulation="local", activations=64 << 20,
+                     **cpu)[0]
+    assert batch.activations == 64 << 20 and batch.accumulation == grads and batch.freed == 0
+    for other in (dict(device="gpu", communication_size=1 << 20), dict(cpu, compiled=True)):
+        counted = estimate(model, "adamw", "fsdp", 2, accumulation="local", **other)[0]
+        assert counted.accumulation == grads and counted.freed == 0, other
+
+
+def test_the_pass_frees_no_old_parameters():
+    """What a gather no longer meets (``freed``) is the step's: the next pass
+    holds every parameter, so a batch's pass counts none freed (Adafactor's
+    matrices kept whole on owner ranks, the MLP 3 x 1024 at N=2)."""
+    model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((1024, 1024)) for i in range(3)},
+                             "MLP")
+    cpu = dict(device="cpu", communication_size=1 << 20)
+    assert min(r.freed for r in estimate(model, "adafactor", "fsdp", 2, **cpu)) < 0
+    ranks = estimate(model, "adafactor", "fsdp", 2, activations=256 << 20, **cpu)
+    assert all(r.activations == 256 << 20 and r.freed == 0 for r in ranks)
+
+
+def test_local_accumulation_is_bounded_both_ways(tmp_path):
+    """Local accumulation at ring N=2 in 1 MiB buckets: the MLP 4 x 512 peaked
+    as high as without accumulation (AdamW 18.03 MiB both), its update
+    holding none of the sums; counted with them, AdamW read 1.45x (1.23x so,
+    SGD 1.10x; 2026-11-30)."""
+    rows = _bench(2, tmp_path, "--models", "mlp", "--modes", "fsdp", "--accumulation", "local",
+                  "--communication-size", "1048576", "--optimizers", "adamw", "sgd")
+    assert len(rows) == 2
+    _bounded_both_ways(rows)
+
+
 @pytest.mark.parametrize("n, hidden, layers, size, freed", [
     (2, 512, 3, 2**19, True),  # each matrix alone in a padded bucket: copied out
     (3, 512, 4, 2**19, True),

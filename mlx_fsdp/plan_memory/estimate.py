@@ -36,7 +36,8 @@ and ``fsdp``; under ``fully_shard`` see :mod:`mlx_fsdp.plan_memory.fully`):
 * **activations**: one batch's pass, given (:mod:`mlx_fsdp.plan_memory.activations`);
 * **freed** (negative; ``fsdp``, eager on the CPU): the old parameters of
   arrays another rank updates whole, gone by the fullest gather
-  (:mod:`mlx_fsdp.plan_memory.freed`).
+  (:mod:`mlx_fsdp.plan_memory.freed`), and local accumulation's sums, gone
+  once the reduce-scatters have read them.
 
 The **peak** is their sum, an upper bound of one step (``benchmarks/bench_plan_memory.py``).
 """

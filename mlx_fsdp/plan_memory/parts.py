@@ -30,8 +30,9 @@ class RankMemory:
     full_gradients: int = 0
     temporaries: int = 0
     activations: int = 0
-    #: Old parameters gone by the fullest phase, negative: arrays another rank
-    #: updates whole (:mod:`mlx_fsdp.plan_memory.freed`).
+    #: What is gone by the fullest phase, negative: old parameters another rank
+    #: updates whole (:mod:`mlx_fsdp.plan_memory.freed`), and local
+    #: accumulation's sums once the reduce-scatters have read them.
     freed: int = 0
 
     @property

@@ -43,20 +43,17 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
 #: output as it queues it, up to
 #: :data:`~mlx_fsdp.plan_memory.transient.IN_FLIGHT_OPS` ahead of the worker,
 #: and a bucket's reduce-scatter is at least two of them (the packing and
-#: the collective). Measured unpaced (MPI N=4, 64 KiB buckets, the MLP 4 x
-#: 256 with SGD, 2026-11-27): the step held every bucket's vector and shard
-#: at once; at ring N=2 with 2 MiB buckets the MLP 4 x 512 held all four
-#: buckets' (2026-11-28). Paced, as by default, each bucket's reduce-scatter
-#: waits for the one before to finish (:mod:`mlx_fsdp.step`), and one
-#: bucket's buffers are counted: that MLP then held one (14.03 MiB, 18.04
-#: before; tests/test_multirank.py).
+#: the collective). Measured unpaced (2026-11-28): at ring N=2 in 2 MiB
+#: buckets the MLP 4 x 512 held all four buckets' vectors. Paced, as by
+#: default, each bucket's reduce-scatter waits for the one before
+#: (:mod:`mlx_fsdp.step`), and one bucket's buffers are counted: that MLP
+#: then held one (14.03 MiB, 18.04 before; tests/test_multirank.py).
 UNPACED_REDUCES_AHEAD = IN_FLIGHT_OPS // 2
 
-#: What the count of an ``fsdp_step``'s buffers leaves out, in bytes: the
-#: step's small arrays (the tokens that chain its collectives, the pieces
-#: of 1-D arrays). Measured: with the copies packing makes counted, MPI
-#: N=4's Llama 8 x 128 with Adafactor peaked 4,964 bytes above the rest of
-#: the count (2026-11-28).
+#: What the count of an ``fsdp_step``'s buffers leaves out, in bytes: its
+#: small arrays (the tokens that chain its collectives, 1-D arrays' pieces).
+#: MPI N=4's Llama 8 x 128 with Adafactor peaked 4,964 bytes above the rest
+#: of the count, packing's copies counted (2026-11-28).
 SMALL_ARRAYS = 64 * 1024
 
 
@@ -103,7 +100,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
                  buckets: Sequence[BucketBytes], device: str,
                  gathers_wait: bool = False, compiled: bool = False,
                  split: Optional[Tuple[Temporaries, Temporaries]] = None,
-                 clip: Clip = Clip(), freed: Freed = Freed()) -> RankMemory:
+                 clip: Clip = Clip(), freed: Freed = Freed(), carried: int = 0) -> RankMemory:
     """One ``fsdp_step`` rank at its fullest phase.
 
     ``buffers``: :func:`~mlx_fsdp.plan_memory.buffers.fsdp_buffer_phases`'
@@ -123,6 +120,9 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     it, the norm's, with the reduced pieces and the updates queued ahead.
     Default: ``Clip()`` (no clipping). ``freed``: what the gathered bucket
     meets no more (:mod:`~mlx_fsdp.plan_memory.freed`). Default: ``Freed()``.
+    ``carried``: what ``common.freed`` takes off that the reducing phase
+    still holds (local accumulation's sums, which its reduce-scatters
+    consume). Default: ``0``.
 
     On the CPU the update waits for the last reduce-scatter
     (:func:`mlx_fsdp.pace.after_queue`), so its temporaries meet the
@@ -175,7 +175,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         tail = max(own.last, own.ahead) + own.side - own.last
         meets = min(tail + others.side, meets)
     # A tie goes to the gathering phase, the one with the new parameters.
-    phases = [replace(common, freed=-freed.parameters,
+    phases = [replace(common, freed=common.freed - freed.parameters,
                       communication=gat - freed.reduced, new_parameters=gat_new,
                       temporaries=chains + late + meets + pieces - freed.divided)]
     if gathers_wait:
@@ -228,7 +228,8 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         phases.append(replace(common, communication=pieces + gather,
                               new_parameters=second if many else 0,
                               temporaries=chains + late + temporaries.side))
-    phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains))
+    phases.append(replace(common, communication=red, new_parameters=red_new, temporaries=chains,
+                          freed=common.freed + carried))
     if clip.copies:  # the norm's squares, after the last reduce-scatter, before any update
         phases.append(replace(common, communication=pieces, new_parameters=0,
                               temporaries=chains + clip.copies + clip.norm))
@@ -289,12 +290,11 @@ def with_pass(step: RankMemory, activations: int, mode: str, device: str,
     activations beside the parameters, gradients, state and masters, and
     ``views``: what the gradients' buffers hold beyond their bytes
     (:func:`~mlx_fsdp.plan_memory.buffers.view_slack`). Default: ``0``.
-    ``ddp_step`` (not paced), one process and a GPU count both at once.
-    Measured (``bench_plan_lm.py``, whole ``python -m mlx_fsdp.lora`` runs,
-    2026-11-28): docs/memory-planner.md.
+    The pass frees nothing (it holds every parameter and any accumulation's
+    sums). ``ddp_step`` (not paced), one process and a GPU count both at once.
     """
     counted = replace(step, activations=activations)
     if mode != "fsdp" or world_size == 1 or device != "cpu" or not pace.QUEUE_DEPTH:
         return counted
-    return max(step, replace(counted, temporaries=0, new_parameters=0, communication=views),
-               key=lambda r: r.peak)
+    return max(step, replace(counted, temporaries=0, new_parameters=0, communication=views,
+                             freed=0), key=lambda r: r.peak)

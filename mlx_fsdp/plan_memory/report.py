@@ -95,7 +95,7 @@ def gib(nbytes: int) -> str:
 
 
 #: Column -> RankMemory field; the fully sharded pass's two only where a row
-#: has them, ``freed`` only where a row frees old parameters.
+#: has them, ``freed`` only where a row frees something (RankMemory.freed).
 COLUMNS = {"params": "parameters", "freed": "freed", "grads": "gradients",
            "accum": "accumulation", "opt state": "optimizer", "masters": "masters",
            "gathered": "gathered",
