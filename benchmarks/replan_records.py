@@ -9,7 +9,7 @@ This script plans every point again with this checkout's planner, as
 set (``ddp_step``, ``fsdp_step`` and fully sharded, eager and compiled),
 how far the plan is above the measured peak: that of the fullest rank
 (planned / measured), and whether any rank peaked above its own plan.
-No step runs: it takes about a minute on two CPU cores.
+No step runs: it takes about 15 s on two CPU cores.
 
     python benchmarks/replan_records.py
     python benchmarks/replan_records.py --closest 10 --check
@@ -35,7 +35,7 @@ from mlx_fsdp import pace  # noqa: E402
 from mlx_fsdp.plan_memory import estimate, shapes  # noqa: E402
 
 RECORDS = os.path.join(HERE, "records", "plan_memory.jsonl")
-#: The margin the issue asks of the plan: at most this much above the measured peak.
+#: The plan's aim: at most this much above the measured peak.
 TIGHT = 1.3
 
 
