@@ -1294,6 +1294,12 @@ def test_local_accumulation_sums_are_counted_only_while_reduced():
         assert counted.accumulation == grads and counted.freed == 0, other
 
 
+def test_a_few_bytes_freed_print_as_zero():
+    """The ``freed`` column is negative; a bias's bytes round to 0.00, not -0.00."""
+    from mlx_fsdp.plan_memory.report import gib
+    assert gib(-4096) == "0.00" and gib(-(1 << 30)) == "-1.00" and gib(1 << 29) == "0.50"
+
+
 def test_the_pass_frees_no_old_parameters():
     """What a gather no longer meets (``freed``) is the step's: the next pass
     holds every parameter, so a batch's pass counts none freed (Adafactor's

@@ -91,7 +91,8 @@ def fewest_ranks(model: Model, optimizer: str, memory: int, max_ranks: int,
 
 
 def gib(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f}"
+    # A few KiB freed would print as "-0.00".
+    return f"{nbytes / GiB:.2f}".replace("-0.00", "0.00")
 
 
 #: Column -> RankMemory field; the fully sharded pass's two only where a row
