@@ -174,7 +174,7 @@ def sharded_step(opts, optimizer, state, gradients, parameters, *, dog=None, ado
             # On the CPU the gather's shard and vector would otherwise be
             # allocated while the update's temporaries are alive (see
             # mlx_fsdp.pace). Pacing an owner bucket too raised the GPT's
-            # peak with Muon (docs/memory-planner.md).
+            # peak with Muon (docs/memory-planner-history.md).
             mine = dict(zip(mine, pace.after_queue(list(mine.values()), traced)))
         whole = bucketed.gather_bucket(bucket, mine, group, order=order, stream=stream)
         for slot, a in zip(bucket.slots, whole):

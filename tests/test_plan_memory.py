@@ -1464,7 +1464,7 @@ def test_an_mlx_lm_llama_step_is_within_1_3x_of_the_bound(tmp_path):
     grouped-query attention), every optimizer under ``ddp_step`` and
     ``fsdp_step`` at ring N=2: measured <= predicted <= 1.3 x measured, the
     issue's bound, which about half of the MLP's and GPT's FSDP points miss
-    (docs/memory-planner.md, "Llama"). Measured 2026-11-27: 1.007-1.201.
+    (docs/memory-planner-history.md, "mlx-lm's Llama"). Measured 2026-11-27: 1.007-1.201.
     Except three ``fsdp_step`` points. Adafactor's since the exchange's sent
     halves are counted for every bucket (2026-11-28): its four owner buckets
     are not all reduced at once, and it read 1.34-1.40 (1.19 before). AdamW's

@@ -143,7 +143,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     chains' one-element arrays and :data:`SMALL_ARRAYS` are counted in
     every phase. Elsewhere (a GPU, unpaced) the temporaries meet the fuller
     buffers, with the largest bucket's vector packed ahead.
-    Measured: docs/memory-planner.md, "The update waits for the last
+    Measured: docs/memory-planner-history.md, "The update waits for the last
     bucket's token" and "A gather meets the other buckets' updates".
     """
     (red, red_new), (gat, gat_new) = buffers
@@ -170,7 +170,7 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
         # peaked above the plan (the MLP 9 x 256 in bfloat16 at MPI N=3:
         # 11.52 MiB, 10.30 counted); a bias beside a matrix adds its own
         # bytes, not the matrix's update again (Adafactor on the MLP 4 x 512
-        # at ring N=2 read 1.45x counted twice, 1.29x). docs/memory-planner.md.
+        # at ring N=2 read 1.45x counted twice, 1.29x). docs/memory-planner-history.md.
         own, others = split
         tail = max(own.last, own.ahead) + own.side - own.last
         meets = min(tail + others.side, meets)
@@ -249,7 +249,7 @@ def ddp_fullest(common: RankMemory, buffers: DdpBuffers, temporaries: Temporarie
     ring N=2 read 1.34x (10.10 MiB planned, 7.53 measured; 2026-11-28).
     So in several groups (``buffers.packing``: the groups packed at once),
     though a group's updates can run while the next is packed: counted at
-    once, 108 measured points read up to 1.89x (docs/memory-planner.md). On
+    once, 108 measured points read up to 1.89x (docs/memory-planner-history.md). On
     a GPU the copies' buffers live until their command buffer finishes:
     both are counted at once. ``clip``: what clipping holds
     (:mod:`~mlx_fsdp.plan_memory.clipping`), after the averaging.
