@@ -20,9 +20,13 @@ phase of its own (``mlx_fsdp.plan_memory.phases.fsdp_fullest``), so
 gathers (taken apart, the gather phase can hold more than the whole step
 did, and the difference fall below zero). The split
 evaluates inside ``fsdp_step`` by wrapping ``mlx_fsdp.bucketed.gather_bucket``:
-a measuring device, nothing the library does.
+a measuring device, nothing the library does. So is ``--chain-updates``:
+each optimizer's ``apply_single`` waits (``mx.depends``) for the array
+before's new value, so that ``mx.eval`` runs a rank's updates one at a time
+(see ``bench_eval_order.py``).
 
     python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_fsdp_phases.py --hidden 256
+    python benchmarks/ring_local.py -n 2 -- python benchmarks/bench_fsdp_phases.py --chain-updates
     mpirun --allow-run-as-root --oversubscribe -n 4 python benchmarks/bench_fsdp_phases.py --hidden 256
 """
 
@@ -64,6 +68,25 @@ def _split_step(opt, model, grads) -> tuple:
     return peaks[0], mx.get_peak_memory()
 
 
+def chain_updates(optimizer):
+    """``optimizer``, its updates each after the one before (a measuring device)."""
+    for part in getattr(optimizer, "optimizers", [optimizer]):
+        apply, single, last = part.apply_gradients, part.apply_single, []
+
+        def apply_gradients(gradients, parameters, apply=apply, last=last):
+            last.clear()
+            return apply(gradients, parameters)
+
+        def apply_single(gradient, parameter, state, single=single, last=last):
+            if last:
+                gradient = mx.depends(gradient, last[0])
+            last[:] = [single(gradient, parameter, state)]
+            return last[0]
+
+        part.apply_gradients, part.apply_single = apply_gradients, apply_single
+    return optimizer
+
+
 def measure(model_name: str, optimizer: str, args, group) -> dict:
     """One point: the phases' and the whole step's peaks per rank, and the planner's count."""
     gc.collect()
@@ -71,7 +94,8 @@ def measure(model_name: str, optimizer: str, args, group) -> dict:
     model = bpm.build(model_name, args)
     plain = shapes.from_tree(model, model_name)
     grads = bpm.gradients(model, model_name, group.rank(), args)
-    opt = bpm.wrapper(optimizers.make(optimizer), "fsdp", args, group)
+    made = optimizers.make(optimizer)
+    opt = bpm.wrapper(chain_updates(made) if args.chain_updates else made, "fsdp", args, group)
     worst = [0, 0, 0]
     for call in range(1 + args.repeat):
         for split in (True, False):
@@ -99,7 +123,10 @@ def measure(model_name: str, optimizer: str, args, group) -> dict:
 
 
 def main(argv=None):
-    args = bpm.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chain = "--chain-updates" in argv
+    args = bpm.parse_args([a for a in argv if a != "--chain-updates"])
+    args.chain_updates = chain
     if args.compile or args.accumulation != "none" or args.modes != ["ddp", "fsdp"]:
         raise SystemExit("bench_fsdp_phases.py takes apart eager fsdp_step steps without "
                          "accumulation: drop --compile, --accumulation and --modes.")
@@ -109,7 +136,8 @@ def main(argv=None):
     rows = [measure(m, o, args, group) for m in args.models for o in args.optimizers]
     if group.rank() != 0:
         return
-    print(f"N={group.size()}, {args.dtype}, MLP {args.layers}x{args.hidden}, GPT "
+    chained = "updates chained, " if args.chain_updates else ""
+    print(f"N={group.size()}, {args.dtype}, {chained}MLP {args.layers}x{args.hidden}, GPT "
           f"{args.gpt_layers}x{args.dims}; MiB, max over ranks; held of the update = step - "
           "gather; counted = the planner's temporaries beside its fullest phase")
     print("| model | optimizer | update | gather | step | held of the update | planner's peak "

@@ -1733,6 +1733,46 @@ def test_the_sharded_step_taken_apart_runs_and_stays_below_the_plan(tmp_path):
         assert r["parts"]["temporaries"] > 0, r
 
 
+def test_chained_updates_give_the_same_update_as_plain_mlx():
+    """bench_fsdp_phases.py --chain-updates orders each optimizer's updates one
+    after another (mx.depends); a measuring device must not change a value:
+    Muon (a MultiOptimizer with AdamW) against a fresh one, as plain MLX runs it."""
+    import sys
+    from mlx.utils import tree_flatten
+    sys.path.insert(0, "benchmarks")
+    import bench_fsdp_phases as bfp
+    from mlx_fsdp.plan_memory import optimizers
+    params = {"w": mx.random.normal((8, 8)), "v": mx.random.normal((8, 4)),
+              "b": mx.random.normal((8,))}
+    grads = {k: mx.random.normal(p.shape) for k, p in params.items()}
+    got, want = bfp.chain_updates(optimizers.make("muon")), optimizers.make("muon")
+    for opt in (got, want):
+        opt.init(params)
+    for _ in range(2):
+        a, b = got.apply_gradients(grads, params), want.apply_gradients(grads, params)
+        for (ka, x), (kb, y) in zip(tree_flatten(a), tree_flatten(b)):
+            assert ka == kb and mx.array_equal(x, y).item(), ka
+
+
+def test_bench_eval_order_prints_every_offset_at_every_width():
+    """benchmarks/bench_eval_order.py, shrunk: one process per tape width, a row per
+    offset and the chained row, each peak above zero."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "benchmarks/bench_eval_order.py", "--optimizer", "adamw",
+           "--matrices", "2", "--size", "64", "--offsets", "0", "30", "--widths", "20", "1",
+           "--repeat", "1"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"HANG: {' '.join(cmd)} did not finish in 120s\n{e.stdout}\n{e.stderr}")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "width" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "30", "chained"], out
+    for r in rows:
+        cells = r.split("|")[2:4]
+        assert all(float(c.split()[0]) > 0 for c in cells), out
+
+
 def test_a_fully_sharded_step_compiled_whole_is_bounded_with_compiled(tmp_path):
     """The step inside mx.compile, as mlx-lm's trainer runs it, planned with
     ``compiled=True``. Without it the GPT's points measured 1.5-2.8% above the
