@@ -550,10 +550,11 @@ def test_a_bias_beside_an_owned_matrix_adds_its_own_temporaries(name, n):
             for i in range(2)
             for part, shape in (("weight", (512, 512)), ("bias", (512,)))[:1 + bias]))
 
-    without, with_bias = (estimate(model(bias), name, "fsdp", n, device="cpu", every_rank=True)
-                          for bias in (False, True))
-    for a, b in zip(without, with_bias):
-        assert a.temporaries <= b.temporaries <= a.temporaries + 64 * 1024, (a, b)
+    # The fullest rank's: every other rank is planned at its peak, the
+    # difference as temporaries (mlx_fsdp.plan_memory.wrappers).
+    a, b = (max(estimate(model(bias), name, "fsdp", n, device="cpu", every_rank=True),
+                key=lambda r: r.peak) for bias in (False, True))
+    assert a.temporaries <= b.temporaries <= a.temporaries + 64 * 1024, (a, b)
 
 
 def test_fully_shard_wraps_each_block_then_the_root():

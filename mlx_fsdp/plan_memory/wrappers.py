@@ -49,9 +49,10 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                 device: str = "cpu", compiled: bool = False,
                 transposed: Optional[dict] = None,
                 budget: Optional[int] = None, clipped: bool = False) -> List[RankMemory]:
-    """Every rank of ``fsdp_step``, in rank order (owners make them differ);
-    with a ``budget`` in bytes, only up to the first rank whose peak exceeds it;
-    ``clipped``: its pieces by their global norm."""
+    """Every rank of ``fsdp_step``, in rank order, each at the fullest's peak
+    (owners and packing make their parts differ, the rest is counted as
+    temporaries); with a ``budget`` in bytes, only up to the first rank whose
+    peak exceeds it; ``clipped``: its pieces by their global norm."""
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
                            master_dtype, accumulation, device, clipped)]
@@ -149,13 +150,14 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
         out.append(replace(fullest, communication=fullest.communication + views))
         if budget is not None and out[-1].peak > budget:
             break
-    if method == "exchange":
-        # Over the exchange a rank can peak above its own count while the
-        # other's holds it: rank 0, at ring N=2, with Lion on mlx-lm's Llama 1
-        # x 256 in bfloat16 (12.06 MiB against 11.74; rank 1's count 12.41)
-        # and SGD on the MLP 4 x 512 in bfloat16 in 1 MiB buckets (12.02
-        # against 11.87). Which rank runs ahead is not counted: both are
-        # planned at the fuller's peak, the difference as temporaries.
-        fuller = max(r.peak for r in out)
-        out = [replace(r, temporaries=r.temporaries + fuller - r.peak) for r in out]
-    return out
+    # A rank can peak above its own count while the fullest's holds it: over
+    # the exchange rank 0, at ring N=2, with Lion on mlx-lm's Llama 1 x 256
+    # in bfloat16 (12.06 MiB against 11.74; rank 1's count 12.41) and SGD on
+    # the MLP 4 x 512 in bfloat16 in 1 MiB buckets (12.02 against 11.87);
+    # under the all-sum, at MPI N=7, the ranks whose shard of the MLP 4 x 384
+    # is one piece of one array, with Lion (8.06 against 7.83; the others'
+    # count 8.16) and SGD (7.73 against 7.51). Which rank runs ahead is not
+    # counted: every rank is planned at the fullest's peak, the difference
+    # as temporaries.
+    fullest = max(r.peak for r in out)
+    return [replace(r, temporaries=r.temporaries + fullest - r.peak) for r in out]
