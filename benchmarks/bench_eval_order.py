@@ -102,9 +102,9 @@ def main(argv=None):
                    help="MLX_BFS_MAX_WIDTH values, each in its own process. Default: 20 1.")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    mx.set_default_device(mx.cpu)  # the tape order measured is the CPU's
     if args.child:
         return child(args)
-    mx.set_default_device(mx.cpu)
     runs = {}
     for width in args.widths:
         env = dict(os.environ, MLX_BFS_MAX_WIDTH=str(width))
