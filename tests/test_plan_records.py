@@ -29,7 +29,8 @@ def replanned():
 def test_records_cover_every_mode_optimizer_and_model():
     """The records span what the planner is used for: every wrapper, eager and
     compiled, every optimizer, the three models, float32 and bfloat16, and N
-    from 2 to 8 over ring and MPI."""
+    from 2 to 8 over ring and MPI, compiled steps too (before session 48 no
+    compiled point had N above 4, and the first at N=8 peaked above the plan)."""
     records = rr.load()
     assert len(records) >= 1200
     assert {rr.set_of(r) for r in records} == {
@@ -40,6 +41,7 @@ def test_records_cover_every_mode_optimizer_and_model():
     assert {r["model"] for r in records} == {"mlp", "gpt", "llama"}
     assert {r["config"]["dtype"] for r in records} == {"float32", "bfloat16"}
     assert {r["n"] for r in records} == set(range(2, 9))
+    assert {r["n"] for r in records if r["config"]["compile"]} == set(range(2, 9))
     assert all(len(r["measured"]) == r["n"] for r in records)
 
 
@@ -52,10 +54,11 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
     """How far above the peaks the plan is, held where it stands (2026-11-30):
-    median 1.24x, the loosest 2.10x (the GPT 3 x 192 with Adafactor, fully
-    sharded and compiled whole, at MPI N=3). A change that loosens the plan broadly shows here; the issue's
-    aim, every point within 1.3x, is not met (the loosest are small models
-    with Muon, Adafactor and Lion)."""
+    median 1.23x, the loosest 2.70x (the MLP 4 x 512 with Adafactor, fully
+    sharded and compiled whole, at MPI N=5 to 8; 2.10x before those points
+    were measured, in session 48). A change that loosens the plan broadly
+    shows here; the issue's aim, every point within 1.3x, is not met (the
+    loosest are small models with Muon, Adafactor and Lion)."""
     fullest = [max(p) / max(r["measured"]) for r, p in replanned]
     assert statistics.median(fullest) <= 1.25
-    assert max(fullest) <= 2.15
+    assert max(fullest) <= 2.75

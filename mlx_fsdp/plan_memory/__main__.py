@@ -82,7 +82,8 @@ def parse_args(argv=None):
                    "natively, ring and mpi by an exchange (N=2) or an all-sum (default ring)")
     g.add_argument("--accumulation", choices=ACCUMULATION, default="none",
                    help="gradient accumulation buffer: none (default), local (a full "
-                   "gradient) or sharded (FSDP: this rank's 1/N)")
+                   "gradient; FSDP compiled whole: as sharded) or sharded (FSDP: this "
+                   "rank's 1/N)")
     g.add_argument("--keeps-old-parameters", action="store_true",
                    help="the training loop keeps a reference to the parameters across "
                    "opt.update, so fsdp_step's gathers come beside them (default: a plain loop)")

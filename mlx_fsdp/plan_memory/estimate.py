@@ -134,7 +134,8 @@ def estimate_ranks(
             ``None``, the wrapper's default on ``device`` (see
             :func:`~mlx_fsdp.plan_memory.buffers.default_communication_size`).
         accumulation (str): ``"none"`` (no gradient accumulation), ``"local"``
-            or ``"sharded"`` (FSDP; DDP accumulates locally). Default: ``"none"``.
+            or ``"sharded"`` (FSDP; DDP accumulates locally; ``fsdp_step``
+            compiled whole shards either, as it runs them). Default: ``"none"``.
         device (str, optional): ``"cpu"`` or ``"gpu"``, where the ranks
             train. Default: ``None``, the device MLX defaults to here.
         reduce_scatter (str, optional): FSDP's reduce-scatter: ``"native"``

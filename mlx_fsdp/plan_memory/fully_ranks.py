@@ -58,7 +58,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     # paces inside mx.compile), but the pass holds what an unpaced one
     # does: each phase alone, the pass counted as unpaced. Under the
     # all-sum the pass held more than that (COMPILED_UNITS): there each
-    # phase alone with that much more, where it is less than both at once.
+    # phase alone with that much more.
     alone = apart or (compiled and phases_apart(device) and method == "exchange")
     hedged = compiled and phases_apart(device) and not alone
     out = []
@@ -106,14 +106,15 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
             continue
         if hedged:
             more = dict(backward, communication=(1 + COMPILED_UNITS) * units.communication)
-            each = max(RankMemory(**more, activations=activations),
-                       RankMemory(**update, temporaries=update_temps(False)),
-                       key=lambda r: r.peak)
+            out.append(max(RankMemory(**more, activations=activations),
+                           RankMemory(**update, temporaries=update_temps(False)),
+                           key=lambda r: r.peak))
+            continue
         backward.update(update_during_backward(device, held, grads, units, rank))
         both = max(RankMemory(**backward, temporaries=temps, activations=activations),
                    RankMemory(**update, temporaries=temps, activations=activations),
                    key=lambda r: r.peak)  # a tie: the backward pass
-        out.append(min(both, each, key=lambda r: r.peak) if hedged else both)
+        out.append(both)
     return out
 
 
@@ -123,13 +124,13 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
 #: derived (perhaps MLX queues the next units' collectives further ahead
 #: inside a compiled graph). The GPT 2 x 128 with Lion at MPI N=4 peaked at
 #: 9.63 MiB in two launches and 10.39 in a third, its pass counted alone
-#: 8.84 and a unit's buffers 0.94 (2026-11-29). Its step is counted so where
-#: that is less than both phases at once (mlx 0.32.4, 2026-11-30): the 40
-#: recorded points read 1.049-2.101x, median 1.31 (1.049-2.196x, median
-#: 1.55, at once); 36 measured after (the GPT 3 x 192 at MPI N=3, the MLP
-#: 6 x 384 and mlx-lm's Llama 4 x 256 in bfloat16 at MPI N=4, resharded
-#: and not, six optimizers) 1.200-2.102x, median 1.34 (1.211-2.262x,
-#: median 1.66, at once), every rank below its plan.
+#: 8.84 and a unit's buffers 0.94 (2026-11-29). Its step is counted so. It
+#: was counted so only where that is less than both phases at once (one
+#: unit's buffers beside the update's temporaries), until the first compiled
+#: points at MPI N=8 (2026-11-30, session 48): there the GPT 2 x 128 with
+#: SGD peaked at 9.17 MiB, 8.71 counted at once, 9.82 so (Adam and AdamW
+#: 0.8% and 0.1% above; at N=6 and 7, measured after, SGD 3.4% and 2.2%).
+#: The 148 points recorded before read 1.035-2.197x so (2.102x before).
 COMPILED_UNITS = 2
 
 #: Updates under way in ``fully_shard``'s update on the CPU beyond the

@@ -56,6 +56,10 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
     if world_size == 1:  # the plain optimizer, as in ddp_step
         return [ddp_memory(name, flat, param_bytes, 1, communication_size,
                            master_dtype, accumulation, device, clipped)]
+    if compiled and accumulation == "local":
+        # Inside mx.compile the step reduce-scatters every micro-batch and
+        # carries only this rank's 1/N of the sum (mlx_fsdp.step).
+        accumulation = "sharded"
     method = resolve_reduce_scatter(reduce_scatter, world_size)
     grads = tree_bytes(dict(flat))
     views = view_slack([a for _, a in flat])
@@ -137,13 +141,17 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             # compiled step was measured to hold beyond it, where that is less.
             fullest = min(fullest, compiled_paced(fullest_of(False), buckets, pieces, method),
                           key=lambda r: r.peak)
-        if accumulation == "sharded" and master_dtype is not None:
+        if accumulation == "sharded":
             # The step's sum of the carried and this micro-batch's pieces, beside
             # both: at MPI N=3 Adafactor on the MLP 4 x 256 in bfloat16 (two
             # matrices on rank 0) peaked at 5.01 MiB, 4.89 counted without it
-            # (2026-11-29). No float32 point needed it (the MLP 4 x 512 with
-            # Adafactor at ring N=2 would read 1.50x, 1.39x without).
-            fullest = replace(fullest, temporaries=fullest.temporaries + pieces)
+            # (2026-11-29). No eager float32 point needed it (the MLP 4 x 512
+            # with Adafactor at ring N=2 would read 1.50x, 1.39x without).
+            # Compiled whole, the carry is a new array too (mlx_fsdp.accumulate):
+            # the MLP 4 x 512 with SGD at MPI N=3 peaked at 23.71 MiB, 22.81
+            # counted without it (2026-11-30).
+            more = (master_dtype is not None) + compiled
+            fullest = replace(fullest, temporaries=fullest.temporaries + more * pieces)
         # The caller's gradients keep their buffers through the step, as under
         # ddp_step (the closest deep Llama, 48 x 96 with SGD in 256 KiB buckets
         # at ring N=2, read 1.002x without them, 2026-11-29).
