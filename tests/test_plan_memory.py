@@ -1320,6 +1320,22 @@ def test_the_pass_frees_no_old_parameters():
     assert all(r.activations == 256 << 20 and r.freed == 0 for r in ranks)
 
 
+def test_a_model_wrapped_whole_leaves_no_owner_balance_to_the_next(tmp_path):
+    """``fully_shard`` balances owners over the modules of one model, until
+    its root is wrapped. A model wrapped once, with no wrapped module inside
+    it, has no root: before session 48 the next model in the process started
+    from its owners' loads, so rank 0 held what the planner counted for rank
+    1 (the GPT with Adafactor, resharded after the unresharded point, printed
+    ``equal NO`` at ring N=2 and MPI N=4). A fully sharded call now ends the
+    tally."""
+    rows = _bench(2, tmp_path, "--modes", "fully_shard", "--wrap", "model", "--models", "gpt",
+                  "--optimizers", "adafactor", "--reshard-after-forward", "off", "on",
+                  repeat=["--repeat", "2"])
+    assert len(rows) == 2
+    for r in rows:
+        assert r["equal"] and r["peak_measured"] <= r["peak_predicted"], r
+
+
 def test_local_accumulation_compiled_whole_is_counted_as_the_step_carries_it(tmp_path):
     """Compiled whole, ``fsdp_step`` carries this rank's 1/N of the sum for
     ``accumulation="local"`` too: the planner's state and accumulation bytes

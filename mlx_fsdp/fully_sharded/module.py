@@ -29,7 +29,8 @@ LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 #: Fully sharded calls under way (nested modules run inside their parent's).
 _CALLS = [0]
 #: Group size -> what each rank owns of the modules wrapped so far in the
-#: model being wrapped (see ``FullyShardedModule.__init__``).
+#: model being wrapped (see ``FullyShardedModule.__init__``); emptied by a
+#: root's wrapping and by any fully sharded call.
 _BALANCE: dict = {}
 
 
@@ -164,6 +165,11 @@ class FullyShardedModule(nn.Module):
                 if saved is not None:
                     self.module.update(saved)
 
+        # A model that runs has been wrapped whole: the next fully_shard
+        # starts another model's balance, as after a root. A model wrapped
+        # once, with nothing wrapped inside it, has no root to end its tally,
+        # and the next model's owners followed it (unlike the planner's).
+        _BALANCE.clear()
         _CALLS[0] += 1
         try:
             if self.reshard_after_forward:
