@@ -128,8 +128,8 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
 #: was counted so only where that is less than both phases at once (one
 #: unit's buffers beside the update's temporaries), until the first compiled
 #: points at MPI N=8 (2026-11-30, session 48): there the GPT 2 x 128 with
-#: SGD peaked at 9.17 MiB, 8.71 counted at once, 9.82 so (Adam and AdamW
-#: 0.8% and 0.1% above; at N=6 and 7, measured after, SGD 3.4% and 2.2%).
+#: SGD peaked at 9.17 MiB, 8.71 counted at once, 9.83 so (Adam and AdamW
+#: 0.8% and 0.1% above; at N=6 and 7, measured after, SGD 3.5% and 2.2%).
 #: The 148 points recorded before read 1.035-2.197x so (2.102x before).
 COMPILED_UNITS = 2
 
