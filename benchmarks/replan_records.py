@@ -80,7 +80,8 @@ def replan(record: dict, models: Dict[tuple, object] = None) -> List[int]:
 def set_of(record: dict) -> str:
     """The row of the table a record counts in."""
     mode = {"ddp": "ddp_step", "fsdp": "fsdp_step", "fully_shard": "fully sharded"}
-    how = "compiled" if record["config"]["compile"] else "eager"
+    config = record["config"]
+    how = "compiled" if config["compile"] else "unpaced" if config.get("unpaced") else "eager"
     return f"{mode[record['mode']]}, {how}" if record["mode"] != "ddp" else mode["ddp"]
 
 

@@ -750,7 +750,8 @@ def test_a_compiled_step_counts_its_compiled_update_and_reshards(capsys):
     GPT's pass peaked up to 18% above its count alone from one launch to the
     next, the pass alone counts two more units' reduce-scatter buffers
     (``fully_ranks.COMPILED_UNITS``; 2026-11-30: the smaller of that and both
-    phases at once put the GPT 2 x 128 at MPI N=8 5% above its plan)."""
+    phases at once put the GPT 2 x 128 at MPI N=8 5% above its plan), of
+    buckets that are not an owner's all-summed ones (``Units.queued``)."""
     model = shapes.from_tree({f"layers.{i}.weight": mx.zeros((256, 256)) for i in range(4)},
                              "MLP")
     opts = dict(communication_size=1 << 20, device="cpu", activations=1 << 20)
@@ -779,6 +780,13 @@ def test_a_compiled_step_counts_its_compiled_update_and_reshards(capsys):
                                  reduce_scatter="all_sum", **opts)[:1]
     assert summed.temporaries == 0 and summed.activations == 1 << 20
     assert summed.communication == (1 + COMPILED_UNITS) * summed_pass.communication
+    # An owner's all-summed matrices: the pass alone, none queued ahead.
+    owned = estimate(model, "adafactor", "fully_shard", 4, compiled=True,
+                     reduce_scatter="all_sum", **opts)
+    (owned_pass, _), = estimate(model, "adafactor", "fully_shard", 4, phases=True,
+                                compiled=True, reduce_scatter="all_sum", **opts)[:1]
+    assert owned[0].activations == 1 << 20
+    assert owned[0].communication == owned_pass.communication > 0
     # Four compiled updates fit in the window: all their allocations at once.
     pieces = [(f"layers.{i}.weight", mx.zeros((128, 256))) for i in range(4)]
     apart = temporaries_apart("adamw", pieces, traced=True)
@@ -2072,3 +2080,18 @@ def test_an_updates_operations_and_kernels_are_what_mlx_makes_of_it(name, shape,
             opt.apply_gradients(grads, params)
         nodes = _graph_nodes([new["w"], *[a for _, a in tree_flatten(opt.state)]], tmp_path)
         assert nodes == expected, (compiled, nodes)
+
+
+def test_an_unpaced_step_stays_below_its_plan(tmp_path):
+    """With the CPU's pacing off (``mlx_fsdp.pace.QUEUE_DEPTH`` 0,
+    ``--unpaced``) the step runs as on a GPU and is planned so: both phases
+    at once, two units' full gradients and reduce-scatter buffers in a fully
+    sharded pass (``fully_ranks.UNPACED_UNITS``), the vectors of every bucket
+    reduced at once beside ``fsdp_step``'s update. With one unit the MLP 4 x
+    256 with SGD at MPI N=4 peaked 12% above its plan (3.02 MiB, 2.69
+    planned; session 49, the first unpaced points measured)."""
+    rows = _bench(4, tmp_path, "--unpaced", "--hidden", "256", "--models", "mlp",
+                  "--modes", "fsdp", "fully_shard", "--optimizers", "sgd", "adamw")
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert r["equal"] and r["peak_measured"] <= r["peak_predicted"], r

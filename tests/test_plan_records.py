@@ -34,8 +34,8 @@ def test_records_cover_every_mode_optimizer_and_model():
     records = rr.load()
     assert len(records) >= 1200
     assert {rr.set_of(r) for r in records} == {
-        "ddp_step", "fsdp_step, eager", "fsdp_step, compiled",
-        "fully sharded, eager", "fully sharded, compiled"}
+        "ddp_step", "fsdp_step, eager", "fsdp_step, compiled", "fsdp_step, unpaced",
+        "fully sharded, eager", "fully sharded, compiled", "fully sharded, unpaced"}
     assert {r["optimizer"] for r in records} == {"adamw", "adam", "sgd", "lion", "muon",
                                                  "adafactor"}
     assert {r["model"] for r in records} == {"mlp", "gpt", "llama"}
@@ -53,12 +53,16 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
-    """How far above the peaks the plan is, held where it stands (2026-11-30):
-    median 1.24x, the loosest 2.70x (the MLP 4 x 512 with Adafactor, fully
-    sharded and compiled whole, at MPI N=5 to 8; 2.10x before those points
-    were measured, in session 48). A change that loosens the plan broadly
-    shows here; the issue's aim, every point within 1.3x, is not met (the
-    loosest are small models with Muon, Adafactor and Lion)."""
-    fullest = [max(p) / max(r["measured"]) for r, p in replanned]
-    assert statistics.median(fullest) <= 1.25
-    assert max(fullest) <= 2.75
+    """How far above the peaks the plan is, held where it stands (2026-11-30,
+    session 49): median 1.25x; the loosest 1.98x, or 3.16x with the CPU's
+    pacing off (``--unpaced``, which a GPU's unpaced step is planned like:
+    both phases at once). The loosest was 2.70x before session 49 (the MLP 4
+    x 512 with Adafactor, fully sharded and compiled whole, at MPI N=5 to 8,
+    whose owner buckets were counted queued ahead). A change that loosens
+    the plan broadly shows here; the issue's aim, every point within 1.3x,
+    is not met (the loosest are small models with Muon, Adafactor and Lion)."""
+    fullest = [(max(p) / max(r["measured"]), r["config"].get("unpaced", False))
+               for r, p in replanned]
+    assert statistics.median(f for f, _ in fullest) <= 1.25
+    assert max(f for f, unpaced in fullest if not unpaced) <= 2.0
+    assert max(f for f, unpaced in fullest if unpaced) <= 3.25

@@ -53,7 +53,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import layout
+from .. import layout, pace
 from ..fully_sharded.model import model_plan
 from ..fully_sharded.placement import module_plan, owned_loads
 from ..plan import Plan
@@ -71,6 +71,11 @@ WRAPS = ("blocks", "model")
 #: three before the pacing. On a GPU it is not measured, and the count from
 #: before the pacing stands.
 BLOCKS_ALIVE = {"cpu": 1, "gpu": 3}
+
+#: :data:`BLOCKS_ALIVE` on a CPU whose pacing is off (``pace.QUEUE_DEPTH`` 0):
+#: as before the pacing. Counted with one, the MLP 6 x 384 with SGD at MPI N=3,
+#: resharded, peaked at 8.35 MiB against 7.99 planned (session 49).
+UNPACED_BLOCKS_ALIVE = 3
 
 
 def split(paths: Sequence[str], wrap: str = "blocks") -> List[Tuple[str, List[int]]]:
@@ -134,6 +139,10 @@ class Units(NamedTuple):
         extra (int): Bytes of the largest gathered vector beyond what its
             copies keep (0 where no gather copies out): alive only until
             the copies are made, never beside a reduce-scatter's buffers.
+        queued (int): ``communication`` of the largest bucket that is not an
+            owner's (:attr:`~mlx_fsdp.plan_memory.sharding.BucketBytes.owned`):
+            what a step compiled whole was measured to queue ahead
+            (:data:`mlx_fsdp.plan_memory.fully_ranks.COMPILED_UNITS`).
     """
 
     plans: list
@@ -146,6 +155,7 @@ class Units(NamedTuple):
     resharded: bool
     last: int
     extra: int = 0
+    queued: int = 0
 
 
 def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimizer,
@@ -165,6 +175,8 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         device (str): ``"cpu"`` or ``"gpu"`` (see :data:`BLOCKS_ALIVE`). Default: ``"cpu"``.
     """
     trained = set(trainable)
+    alive_blocks = BLOCKS_ALIVE[device] if device != "cpu" or pace.QUEUE_DEPTH \
+        else UNPACED_BLOCKS_ALIVE
     plans, gathered, loads = [], [], ()
     parts = split([p for p, _ in flat], wrap)
     for prefix, indices in parts:
@@ -184,7 +196,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         # gradients yet, and the block before it gathers already (on the CPU
         # before the pacing, two blocks counted were measured too few).
         alive = sum(kept + extra for prefix, kept, extra in gathered if not prefix) + \
-            sum(blocks[:BLOCKS_ALIVE[device]])
+            sum(blocks[:alive_blocks])
     else:  # what the gathers keep, and one gather's vector
         alive = sum(kept for _, kept, _ in gathered) + max((extra for _, _, extra in gathered),
                                                          default=0)
@@ -200,14 +212,16 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
                  for prefix, indices in parts if prefix),
                 key=sum, default=(0, 0))
     if ahead:  # the root's until the end of the backward pass, and the blocks' in flight
-        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:BLOCKS_ALIVE[device]])
+        full = grads.pop("", 0) + sum(sorted(grads.values(), reverse=True)[:alive_blocks])
     else:  # a unit's until its reduce-scatter, the root's until the end
         full = max(grads.values(), default=0)
     # The reduce-scatter's buffers, and its sum, which the gradient of the
     # shard's own dtype and row order (columns.row_major) is then made from.
-    comm = max((reduce_buffers(bb, method) + bb.held
-                for _, plan, own in plans for b in plan.buckets
-                for bb in [bucket_bytes(b, [a for _, a in own], world_size, 0)]), default=0)
+    sized = [bucket_bytes(b, [a for _, a in own], world_size, 0)
+             for _, plan, own in plans for b in plan.buckets]
+    comm = max((reduce_buffers(bb, method) + bb.held for bb in sized), default=0)
+    queued = max((reduce_buffers(bb, method) + bb.held for bb in sized if not bb.owned),
+                 default=0)
     # Every rank builds the same step plan; rank 0's gradients' shapes are checked.
     flat_grads = _held(plans, trained, 0)[3]
     modules = [(prefix, _Module(plan, _Group(world_size, 0))) for prefix, plan, _ in plans]
@@ -215,7 +229,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
                       modules)
     extra = max((extra for _, _, extra in gathered), default=0)
     return Units(plans, trained, step, alive, full, comm, spare, bool(ahead), min(last, alive),
-                 extra)
+                 extra, queued)
 
 
 def _gather_bytes(plan: Plan, arrays: Sequence[mx.array], world_size: int) -> Tuple[int, int]:

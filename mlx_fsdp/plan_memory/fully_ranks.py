@@ -58,7 +58,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
     # paces inside mx.compile), but the pass holds what an unpaced one
     # does: each phase alone, the pass counted as unpaced. Under the
     # all-sum the pass held more than that (COMPILED_UNITS): there each
-    # phase alone with that much more.
+    # phase alone with that much more, of buckets that are not an owner's.
     alone = apart or (compiled and phases_apart(device) and method == "exchange")
     hedged = compiled and phases_apart(device) and not alone
     out = []
@@ -105,12 +105,17 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
             out.append(pair if phases else max(pair, key=lambda r: r.peak))
             continue
         if hedged:
-            more = dict(backward, communication=(1 + COMPILED_UNITS) * units.communication)
+            more = dict(backward,
+                        communication=units.communication + COMPILED_UNITS * units.queued)
             out.append(max(RankMemory(**more, activations=activations),
                            RankMemory(**update, temporaries=update_temps(False)),
                            key=lambda r: r.peak))
             continue
         backward.update(update_during_backward(device, held, grads, units, rank))
+        if device == "cpu" and not compiled:  # unpaced: more units in flight
+            more = UNPACED_UNITS - 1
+            backward.update(communication=UNPACED_UNITS * units.communication,
+                            full_gradients=backward["full_gradients"] + more * units.full_gradients)
         both = max(RankMemory(**backward, temporaries=temps, activations=activations),
                    RankMemory(**update, temporaries=temps, activations=activations),
                    key=lambda r: r.peak)  # a tie: the backward pass
@@ -131,7 +136,22 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
 #: SGD peaked at 9.17 MiB, 8.71 counted at once, 9.83 so (Adam and AdamW
 #: 0.8% and 0.1% above; at N=6 and 7, measured after, SGD 3.5% and 2.2%).
 #: The 148 points recorded before read 1.035-2.197x so (2.102x before).
+#: The buffers are of buckets that are not an owner's (``Units.queued``): the
+#: 50 such recorded points with Muon and Adafactor each peaked 0.48 of a
+#: unit's buffers or more below the pass counted alone without them; counted with
+#: two units of their owner buckets, padded or all-summed, the MLP 4 x 512
+#: with Adafactor at MPI N=8 read 2.698x (7.13 MiB measured, 19.24 planned;
+#: 11.24 so), and, measured after (session 49), the GPT 3 x 192 with
+#: Adafactor at MPI N=6, resharded, 2.508x (1.494x so).
 COMPILED_UNITS = 2
+
+#: Units whose full gradients and reduce-scatter buffers an unpaced CPU's pass
+#: (``pace.QUEUE_DEPTH`` 0) holds at once, both phases counted at once: the
+#: main thread queues the next unit's backward pass and reduce-scatter while
+#: one unit's are alive. With one, the MLP 4 x 256 with SGD at MPI N=4 peaked
+#: at 3.02 MiB against 2.69 planned, and the MLP 4 x 512 at ring N=2 at 15.67
+#: against 15.26 (session 49, the first unpaced points measured).
+UNPACED_UNITS = 2
 
 #: Updates under way in ``fully_shard``'s update on the CPU beyond the
 #: :data:`~mlx_fsdp.plan_memory.transient.CHAINS` largest that

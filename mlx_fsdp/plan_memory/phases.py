@@ -141,15 +141,15 @@ def fsdp_fullest(common: RankMemory, buffers, temporaries: Temporaries, pieces: 
     bucket's gathered vector meet it (MPI N=3, 64 KiB buckets: the MLP with
     SGD measured 4.6% above the count without that vector). The pacing
     chains' one-element arrays and :data:`SMALL_ARRAYS` are counted in
-    every phase. Elsewhere (a GPU, unpaced) the temporaries meet the fuller
-    buffers, with the largest bucket's vector packed ahead.
-    Measured: docs/memory-planner-history.md, "The update waits for the last
-    bucket's token" and "A gather meets the other buckets' updates".
+    every phase. Elsewhere (a GPU, unpaced) the temporaries meet the fuller buffers, with the
+    largest bucket's vector packed ahead and, on an unpaced CPU, the next largest (session 49).
+    Measured: docs/memory-planner-history.md, "The update waits for the last bucket's token",
+    "A gather meets the other buckets' updates" and "The first unpaced points".
     """
     (red, red_new), (gat, gat_new) = buffers
     if not phases_apart(device, compiled):
-        whole = temporaries.together + pieces + max((b.vector for b in buckets), default=0) \
-            + SMALL_ARRAYS + clip.copies + clip.norm
+        ahead = sorted(b.vector for b in buckets)[-(2 if device == "cpu" and not compiled else 1):]
+        whole = temporaries.together + pieces + sum(ahead) + SMALL_ARRAYS + clip.copies + clip.norm
         return max((replace(common, communication=gat, new_parameters=gat_new, temporaries=whole),
                     replace(common, communication=red, new_parameters=red_new, temporaries=whole)),
                    key=lambda r: r.peak)
