@@ -2082,16 +2082,20 @@ def test_an_updates_operations_and_kernels_are_what_mlx_makes_of_it(name, shape,
         assert nodes == expected, (compiled, nodes)
 
 
-def test_an_unpaced_step_stays_below_its_plan(tmp_path):
+@pytest.mark.parametrize("accumulation", ["none", "sharded"])
+def test_an_unpaced_step_stays_below_its_plan(accumulation, tmp_path):
     """With the CPU's pacing off (``mlx_fsdp.pace.QUEUE_DEPTH`` 0,
     ``--unpaced``) the step runs as on a GPU and is planned so: both phases
     at once, two units' full gradients and reduce-scatter buffers in a fully
-    sharded pass (``fully_ranks.UNPACED_UNITS``), the vectors of every bucket
-    reduced at once beside ``fsdp_step``'s update. With one unit the MLP 4 x
-    256 with SGD at MPI N=4 peaked 12% above its plan (3.02 MiB, 2.69
-    planned; session 49, the first unpaced points measured)."""
+    sharded pass (``fully_ranks.UNPACED_UNITS``), two buckets' vectors
+    beside ``fsdp_step``'s update, and with sharded accumulation the new sum
+    beside the carried one. Counted with one unit, the MLP 4 x 256 with SGD
+    at MPI N=4 peaked 12% above its plan (3.02 MiB, 2.69 planned), and
+    without the new sum AdamW's ``fsdp_step`` 2.3% (session 49, the first
+    unpaced points measured)."""
     rows = _bench(4, tmp_path, "--unpaced", "--hidden", "256", "--models", "mlp",
-                  "--modes", "fsdp", "fully_shard", "--optimizers", "sgd", "adamw")
+                  "--modes", "fsdp", "fully_shard", "--optimizers", "sgd", "adamw",
+                  "--accumulation", accumulation)
     assert len(rows) == 2 * 2
     for r in rows:
         assert r["equal"] and r["peak_measured"] <= r["peak_predicted"], r

@@ -149,8 +149,10 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
             # with Adafactor at ring N=2 would read 1.50x, 1.39x without).
             # Compiled whole, the carry is a new array too (mlx_fsdp.accumulate):
             # the MLP 4 x 512 with SGD at MPI N=3 peaked at 23.71 MiB, 22.81
-            # counted without it (2026-11-30).
-            more = (master_dtype is not None) + compiled
+            # counted without it (2026-11-30); and unpaced, where nothing makes
+            # the sum wait for the carry's last reader: the MLP 4 x 256 with AdamW
+            # on an unpaced CPU at MPI N=4 peaked at 7.03 MiB, 6.87 without it.
+            more = (master_dtype is not None) + (not phases_apart(device, compiled))
             fullest = replace(fullest, temporaries=fullest.temporaries + more * pieces)
         # The caller's gradients keep their buffers through the step, as under
         # ddp_step (the closest deep Llama, 48 x 96 with SGD in 256 KiB buckets
