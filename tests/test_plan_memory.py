@@ -1984,10 +1984,12 @@ def test_planning_for_a_gpu_counts_the_compiled_update(monkeypatch):
                         device=device)[0].temporaries
     # Compiled SGD (with momentum) allocates its new momentum and parameter:
     # twice the eager update's one new array. AdamW's eager profile already covers its three.
-    assert temporaries("sgd", "gpu") > temporaries("sgd", "cpu")
-    assert temporaries("adamw", "gpu") == temporaries("adamw", "cpu")
+    # The unpaced CPU counts the second bucket's vector (the bias's) packed ahead too.
+    bias = 512 * 4
+    assert temporaries("sgd", "gpu") > temporaries("sgd", "cpu") - bias
+    assert temporaries("adamw", "gpu") == temporaries("adamw", "cpu") - bias
     monkeypatch.setenv("MLX_FSDP_FUSED_UPDATE", "1")  # the switch fsdp_step reads
-    assert temporaries("sgd", "cpu") == temporaries("sgd", "gpu")
+    assert temporaries("sgd", "cpu") - bias == temporaries("sgd", "gpu")
 
 
 def test_masters_and_accumulation_bytes_equal_measured(tmp_path):
