@@ -54,7 +54,7 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
     """How far above the peaks the plan is, held where it stands (2026-11-30,
-    session 49): median 1.23x; the loosest 1.98x, or 3.16x with the CPU's
+    session 49): median 1.235x; the loosest 1.98x, or 3.16x with the CPU's
     pacing off (``--unpaced``, which a GPU's unpaced step is planned like:
     both phases at once). The loosest was 2.70x before session 49 (the MLP 4
     x 512 with Adafactor, fully sharded and compiled whole, at MPI N=5 to 8,
