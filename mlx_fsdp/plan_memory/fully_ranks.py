@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from .. import pace
 from ..fused import use_fused_updates
 from . import fully, optimizers
 from .backward import (pass_spare, pass_walk, reduced_after_blocks, update_during_backward,
@@ -112,10 +113,11 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                            key=lambda r: r.peak))
             continue
         backward.update(update_during_backward(device, held, grads, units, rank))
-        if device == "cpu" and not compiled:  # unpaced: more units in flight
-            more = UNPACED_UNITS - 1
+        if device == "cpu" and not (compiled or pace.QUEUE_DEPTH):  # more units in flight
+            extra_units = UNPACED_UNITS - 1
             backward.update(communication=UNPACED_UNITS * units.communication,
-                            full_gradients=backward["full_gradients"] + more * units.full_gradients)
+                            full_gradients=backward["full_gradients"]
+                            + extra_units * units.full_gradients)
         both = max(RankMemory(**backward, temporaries=temps, activations=activations),
                    RankMemory(**update, temporaries=temps, activations=activations),
                    key=lambda r: r.peak)  # a tie: the backward pass
