@@ -7,7 +7,8 @@
 # lease that runs out still returns everything measured so far. Two ranks
 # share the GPU over ring (NCCL needs one GPU per rank). Every output goes
 # to OUT_DIR as it is written: env.txt, yard.txt, step.txt (+ .md tables),
-# planner.txt, acts.txt, suite.txt: eight files (a lent machine returns at most eight).
+# planner.txt (RECORD=1, PLANNER=1), acts.txt, suite.txt: eight files (a lent
+# machine returns at most eight).
 #
 # usage: bash benchmarks/gpu_check.sh OUT_DIR SECONDS YARDSTICK [TEST_FILE ...]
 #   YARDSTICK: path of shared/gpu/yardstick.py (copy it into the checkout
@@ -18,6 +19,10 @@
 #   PLANNER=1 also runs, alone after bench_step, the fully sharded planner
 #   grid that measured above the plan on an H100 beside seven other
 #   processes (MPI N=3, bfloat16; docs/memory-planner.md, "Left undone").
+#   RECORD=1 also runs, alone after bench_step, bench_plan_memory's default
+#   grid (DDP and FSDP, eager) and appends its table and records to
+#   planner.txt: `grep '^{' planner.txt > gpu.jsonl` gives the lines for
+#   benchmarks/records/plan_memory.jsonl (116 s on an H200, 2026-12-01).
 #   ACTS=1 also runs, alone after that, the planner's activations against
 #   mlx-lm's Llama (acts.txt): bench_activations.py in one process on the
 #   fitted shape and a wider, deeper one, then fully sharded Llama steps
@@ -72,8 +77,16 @@ if [ "${BENCH:-1}" != 0 ]; then
         | tee -a "$out/step.txt"
 fi
 
+if [ "${RECORD:-0}" = 1 ]; then
+    echo "== bench_plan_memory, default grid, recorded" | tee -a "$out/planner.txt"
+    small_grid=""
+    [ "${SMALL:-0}" = 1 ] && small_grid="--hidden 64 --dims 32 --optimizers sgd adamw"
+    ranks 150 "$here/bench_plan_memory.py" --repeat 5 --record "$out/records.tmp" $small_grid \
+        2>&1 | grep -v '^  \[' | tee -a "$out/planner.txt"
+    cat "$out/records.tmp" >> "$out/planner.txt" 2>/dev/null; rm -f "$out/records.tmp"
+fi
 if [ "${PLANNER:-0}" = 1 ]; then
-    echo "== bench_plan_memory, fully sharded, MPI N=3" | tee "$out/planner.txt"
+    echo "== bench_plan_memory, fully sharded, MPI N=3" | tee -a "$out/planner.txt"
     MLX_MPI_LIBNAME=${MLX_MPI_LIBNAME:-libmpi.so.40} timeout 150 mpirun --allow-run-as-root \
         --oversubscribe -x MLX_MPI_LIBNAME -x PYTHONPATH -n 3 python3 "$here/bench_plan_memory.py" \
         --hidden 256 --dtype bfloat16 --modes fully_shard --optimizers adamw adafactor \
@@ -108,11 +121,15 @@ fi
 export MLX_ENABLE_TF32=0
 : > "$out/suite.txt"
 logs=$(mktemp -d)
-one_file() {  # one_file FILE SECONDS: its last lines, appended whole
+one_file() {  # one_file FILE SECONDS: what failed and its last lines, appended whole
+    # Verbose, so that a file cut off by its time still names each test that
+    # failed before (2026-12-01: seventeen failures of a cut file, unnamed).
     local f=$1 t=$2 log="$logs/$1.txt"
-    { echo "== $f (${t}s left)"
-      timeout "$t" python3 -m pytest -q --tb=short -p no:cacheprovider -rfE "$here/../tests/$f" 2>&1 \
-          | tail -n 60; } > "$log"
+    timeout "$t" python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$here/../tests/$f" \
+        > "$log.full" 2>&1
+    { echo "== $f (${t}s left, rc $?): $(grep -c ' PASSED' "$log.full") passed so far"
+      grep -v -E ' (PASSED|SKIPPED|XFAIL|XPASS) |^(platform|rootdir|configfile|plugins|collecting)\b' \
+          "$log.full" | tail -n 80; } > "$log"
     cat "$log" >> "$out/suite.txt"
 }
 for f in "$@"; do

@@ -82,7 +82,8 @@ def set_of(record: dict) -> str:
     mode = {"ddp": "ddp_step", "fsdp": "fsdp_step", "fully_shard": "fully sharded"}
     config = record["config"]
     how = "compiled" if config["compile"] else "unpaced" if config.get("unpaced") else "eager"
-    return f"{mode[record['mode']]}, {how}" if record["mode"] != "ddp" else mode["ddp"]
+    where = ", on a GPU" if record["device"] == "gpu" else ""
+    return (f"{mode[record['mode']]}, {how}" if record["mode"] != "ddp" else mode["ddp"]) + where
 
 
 def ratios(record: dict, planned: List[int]) -> tuple:
@@ -139,7 +140,8 @@ def describe(record: dict) -> str:
     c = record["config"]
     shape = {"mlp": f"{c['layers']}x{c['hidden']}"}.get(record["model"],
                                                          f"{c['gpt_layers']}x{c['dims']}")
-    flags = [f for f, on in (("compiled", c["compile"]), (c["dtype"], c["dtype"] != "float32"),
+    flags = [f for f, on in (("on a GPU", record["device"] == "gpu"), ("compiled", c["compile"]),
+                             (c["dtype"], c["dtype"] != "float32"),
                              ("reshard", record["reshard_after_forward"]),
                              (f"max-norm {c['max_norm']}", c["max_norm"] is not None),
                              (f"accumulation {c['accumulation']}", c["accumulation"] != "none"),

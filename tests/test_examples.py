@@ -488,14 +488,16 @@ def test_bench_summed_compares_both_settings_on_three_ranks():
 
 def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
     """benchmarks/gpu_check.sh, shrunk (SMALL=1) and on this machine's device:
-    every part it runs on a lent GPU still runs (with mlx-lm, ACTS=1's too), and
-    a test file it is given reports its own summary."""
+    every part it runs on a lent GPU still runs (with mlx-lm, ACTS=1's too; the
+    planner's recorded grid, RECORD=1), and a test file it is given reports its
+    own summary."""
     import importlib.util
     import subprocess
 
     acts = importlib.util.find_spec("mlx_lm") is not None  # the `lm` extra
-    env = dict(os.environ, SMALL="1", ACTS=str(int(acts)),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    # Every switch named: a run inside gpu_check.sh itself (BENCH=0) must not skip parts here.
+    env = dict(os.environ, SMALL="1", ACTS=str(int(acts)), BENCH="1", PLANNER="0", JOBS="1",
+               RECORD="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     cmd = ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(tmp_path), "150", "-",
            "test_fused.py"]
     try:
@@ -508,7 +510,11 @@ def test_gpu_check_script_writes_each_part_within_its_budget(tmp_path):
                 "DDP + checkpoint per block"):
         assert step.count(f"| {row} |") == 2, step  # the GPT's table and the MLP's
     assert (tmp_path / "step_gpt.md").exists() and (tmp_path / "step_mlp.md").exists()
-    assert re.search(r"^\d+ passed in ", (tmp_path / "suite.txt").read_text(), re.M)
+    assert re.search(r"\b\d+ passed in ", (tmp_path / "suite.txt").read_text()), tmp_path
     assert not (tmp_path / "yard.txt").exists()  # "-" skips the yardstick
+    planner = (tmp_path / "planner.txt").read_text()  # RECORD=1: the grid's table and records
+    assert "predicted / measured: lowest" in planner, planner
+    records = [json.loads(line) for line in planner.splitlines() if line.startswith("{")]
+    assert len(records) == 8 and all(len(r["measured"]) == 2 for r in records), planner
     if acts:  # the activations alone, then a fully sharded Llama step, each against the plan
         assert (tmp_path / "acts.txt").read_text().count("predicted / measured: lowest") == 2

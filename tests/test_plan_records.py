@@ -35,7 +35,8 @@ def test_records_cover_every_mode_optimizer_and_model():
     assert len(records) >= 1200
     assert {rr.set_of(r) for r in records} == {
         "ddp_step", "fsdp_step, eager", "fsdp_step, compiled", "fsdp_step, unpaced",
-        "fully sharded, eager", "fully sharded, compiled", "fully sharded, unpaced"}
+        "fully sharded, eager", "fully sharded, compiled", "fully sharded, unpaced",
+        "ddp_step, on a GPU", "fsdp_step, eager, on a GPU"}
     assert {r["optimizer"] for r in records} == {"adamw", "adam", "sgd", "lion", "muon",
                                                  "adafactor"}
     assert {r["model"] for r in records} == {"mlp", "gpt", "llama"}
@@ -60,9 +61,15 @@ def test_the_plan_stays_as_close_as_recorded(replanned):
     x 512 with Adafactor, fully sharded and compiled whole, at MPI N=5 to 8,
     whose owner buckets were counted queued ahead). A change that loosens
     the plan broadly shows here; the issue's aim, every point within 1.3x,
-    is not met (the loosest are small models with Muon, Adafactor and Lion)."""
-    fullest = [(max(p) / max(r["measured"]), r["config"].get("unpaced", False))
-               for r, p in replanned]
-    assert statistics.median(f for f, unpaced in fullest if not unpaced) <= 1.25
-    assert max(f for f, unpaced in fullest if not unpaced) <= 2.0
-    assert max(f for f, unpaced in fullest if unpaced) <= 3.25
+    is not met (the loosest are small models with Muon, Adafactor and Lion).
+    On a GPU (24 points on an H200, 2026-12-01) up to 4.66x: Muon, whose
+    three cuBLASLt workspaces the plan counts whole beside matrices of 128."""
+    def kind(r):
+        return "gpu" if r["device"] == "gpu" else (
+            "unpaced" if r["config"].get("unpaced", False) else "paced")
+
+    fullest = [(max(p) / max(r["measured"]), kind(r)) for r, p in replanned]
+    assert statistics.median(f for f, k in fullest if k == "paced") <= 1.25
+    assert max(f for f, k in fullest if k == "paced") <= 2.0
+    assert max(f for f, k in fullest if k == "unpaced") <= 3.25
+    assert max(f for f, k in fullest if k == "gpu") <= 5.0

@@ -70,6 +70,7 @@ ddp_state, ddp_peak, ddp_kept, ddp_left = phase(
     lambda o: mlx_fsdp.ddp_step(o, max_norm=1.0, **size), hidden, layers, group, name)
 fsdp_state, fsdp_peak, fsdp_kept, fsdp_left = phase(
     lambda o: mlx_fsdp.fsdp_step(o, max_norm=1.0, **size), hidden, layers, group, name)
-report(group, n=group.size(), ddp_state=ddp_state, fsdp_state=fsdp_state,
+report(group, n=group.size(), device="gpu" if mx.default_device() == mx.gpu else "cpu",
+       ddp_state=ddp_state, fsdp_state=fsdp_state,
        ddp_peak=ddp_peak, fsdp_peak=fsdp_peak, ddp_kept=ddp_kept, fsdp_kept=fsdp_kept,
        ddp_left=ddp_left, fsdp_left=fsdp_left)
