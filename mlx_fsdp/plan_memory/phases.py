@@ -89,7 +89,7 @@ def compiled_paced(paced: RankMemory, buckets: Sequence[BucketBytes], pieces: in
     count of the same step run eagerly, with what compiling was measured to
     add (:data:`COMPILED_VECTORS`); ``pieces``: the reduced pieces' bytes,
     ``method``: the reduce-scatter's. The caller keeps the unpaced count
-    where that is less."""
+    where that is less, and alone where a bucket is all-summed."""
     extra = COMPILED_VECTORS * max((b.vector for b in buckets), default=0)
     if method != "exchange":
         extra += COMPILED_PIECES * pieces

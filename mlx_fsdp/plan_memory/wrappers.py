@@ -136,9 +136,14 @@ def fsdp_memory(name: str, flat, param_bytes: int, world_size: int, communicatio
                          for mine in (True, False))
 
         fullest = fullest_of(compiled)
-        if compiled and buckets and phases_apart(device):
+        if compiled and buckets and phases_apart(device) and not any(b.summed for b in buckets):
             # Compiled whole on a paced CPU: the paced count, and what the
             # compiled step was measured to hold beyond it, where that is less.
+            # Not with an all-summed owner bucket: at MPI N=7 mlx-lm's Llama 4 x
+            # 192 with Adafactor (its last bucket all-summed) peaked at 34.72 MiB
+            # on the rank owning most of it, 2.8% above that count and below the
+            # unpaced one (40.11 planned); the 35 recorded points with one read up to
+            # 2.25x so (2026-12-01, docs/memory-planner-history.md).
             fullest = min(fullest, compiled_paced(fullest_of(False), buckets, pieces, method),
                           key=lambda r: r.peak)
         if accumulation == "sharded":
