@@ -21,7 +21,7 @@ import mlx.optimizers as optim
 import mlx_fsdp
 
 # The pacing under test is the CPU's: on a machine with a GPU the default
-# device would run ahead unpaced (9.4 layers at MPI N=3 on an H200, 2026-12-01).
+# device would run ahead unpaced (8.6 layers at MPI N=3 on an H200, 2026-12-01).
 mx.set_default_device(mx.cpu)
 group = mx.distributed.init()
 hidden, layers, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
