@@ -55,7 +55,8 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
     """How far above the peaks the plan is, held where it stands (2026-12-01,
-    session 50): median 1.242x; the loosest 2.25x (a compiled ``fsdp_step``
+    session 51, the compiled counts refitted): median 1.232x (1.242x in
+    session 50); the loosest 2.25x (a compiled ``fsdp_step``
     with an all-summed owner bucket, counted unpaced since one peaked above
     its paced count at MPI N=7; 1.98x before), or 3.16x with the CPU's
     pacing off (``--unpaced``, which a GPU's unpaced step is planned like:
@@ -71,7 +72,7 @@ def test_the_plan_stays_as_close_as_recorded(replanned):
             "unpaced" if r["config"].get("unpaced", False) else "paced")
 
     fullest = [(max(p) / max(r["measured"]), kind(r)) for r, p in replanned]
-    assert statistics.median(f for f, k in fullest if k == "paced") <= 1.25
+    assert statistics.median(f for f, k in fullest if k == "paced") <= 1.24
     assert max(f for f, k in fullest if k == "paced") <= 2.25
     assert max(f for f, k in fullest if k == "unpaced") <= 3.25
     assert max(f for f, k in fullest if k == "gpu") <= 5.0

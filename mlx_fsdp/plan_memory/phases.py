@@ -68,19 +68,18 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
     return UNPACED_REDUCES_AHEAD if device == "cpu" and unpaced else 1
 
 
-#: A step compiled whole on a paced CPU holds this many of its largest
-#: bucket's vectors beyond the paced count, and under the all-sum (or
-#: native) reduce-scatter as many of its reduced pieces' bytes (measured,
-#: not derived; perhaps its fused kernels let MLX queue further ahead, so
-#: that more buckets' buffers meet the update). Fitted (mlx 0.32.4, 2026-11-29) on 108 compiled
-#: ``fsdp_step`` points (ring N=2 in 64 KiB to 4 MiB buckets, MPI N=3 in 1
-#: MiB, MPI N=4 in 64 KiB, 256 KiB and one bucket; the MLP, the GPT and
-#: mlx-lm's Llama; six optimizers) as the least that keeps each 2% below:
-#: the paced count alone fell short by up to 2.18 MiB (the GPT 2 x 128 with
-#: SGD in one bucket at MPI N=4: 8.96 MiB, eager 6.43, 6.78 counted) and
-#: 2.93 with the exchange (the MLP 4 x 512 with Adafactor at ring N=2:
-#: 29.07 against 26.13).
-COMPILED_VECTORS, COMPILED_PIECES = 2, 2
+#: A step compiled whole on a paced CPU holds, beyond the paced count, this
+#: many of its largest bucket's vectors (``(exchange, all-sum or native)``)
+#: and under the all-sum as many reduced pieces' bytes as ``COMPILED_PIECES``
+#: says (measured, not derived; perhaps its fused kernels let MLX queue
+#: further ahead). Fitted (mlx 0.32.4) as the least that keeps each recorded
+#: compiled ``fsdp_step`` point 2% below the plan, or as close as it already
+#: was: first (2026-11-29) on 108 points, as (2, 2) and 2; then (2026-12-01)
+#: on 387 (ring N=2 and MPI N=3 to 8; the MLP, the GPT and mlx-lm's Llama;
+#: six optimizers), bound by Adafactor on the MLP 4 x 512 at ring N=2 (1.021x)
+#: and Lion on the MLP 4 x 256 at MPI N=4 (1.021x): 173 of them above 1.3x,
+#: 211 before. docs/memory-planner-history.md, "Compiled counts refitted".
+COMPILED_VECTORS, COMPILED_PIECES = (1.75, 1), 2.5
 
 
 def compiled_paced(paced: RankMemory, buckets: Sequence[BucketBytes], pieces: int,
@@ -90,9 +89,9 @@ def compiled_paced(paced: RankMemory, buckets: Sequence[BucketBytes], pieces: in
     add (:data:`COMPILED_VECTORS`); ``pieces``: the reduced pieces' bytes,
     ``method``: the reduce-scatter's. The caller keeps the unpaced count
     where that is less, and alone where a bucket is all-summed."""
-    extra = COMPILED_VECTORS * max((b.vector for b in buckets), default=0)
-    if method != "exchange":
-        extra += COMPILED_PIECES * pieces
+    summed = method != "exchange"
+    extra = int(COMPILED_VECTORS[summed] * max((b.vector for b in buckets), default=0)
+                + summed * COMPILED_PIECES * pieces)
     return replace(paced, communication=paced.communication + extra)
 
 
