@@ -55,7 +55,7 @@ def test_every_recorded_rank_peaked_below_its_plan(replanned):
 
 def test_the_plan_stays_as_close_as_recorded(replanned):
     """How far above the peaks the plan is, held where it stands (2026-12-01,
-    session 51, the compiled counts refitted): median 1.232x (1.242x in
+    session 51, the compiled counts refitted): median 1.231x (1.242x in
     session 50); the loosest 2.25x (a compiled ``fsdp_step``
     with an all-summed owner bucket, counted unpaced since one peaked above
     its paced count at MPI N=7; 1.98x before), or 3.16x with the CPU's
