@@ -69,17 +69,17 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
 
 
 #: A step compiled whole on a paced CPU holds, beyond the paced count, this
-#: many of its largest bucket's vectors (``(exchange, all-sum or native)``)
-#: and under the all-sum as many reduced pieces' bytes as ``COMPILED_PIECES``
-#: says (measured, not derived; perhaps its fused kernels let MLX queue
-#: further ahead). Fitted (mlx 0.32.4) as the least that keeps each recorded
-#: compiled ``fsdp_step`` point 2% below the plan, or as close as it already
-#: was: first (2026-11-29) on 108 points, as (2, 2) and 2; then (2026-12-01)
-#: on 387 (ring N=2 and MPI N=3 to 8; the MLP, the GPT and mlx-lm's Llama;
-#: six optimizers), bound by Adafactor on the MLP 4 x 512 at ring N=2 (1.021x)
-#: and Lion on the MLP 4 x 256 at MPI N=4 (1.021x): 173 of them above 1.3x,
-#: 211 before. docs/memory-planner-history.md, "Compiled counts refitted".
-COMPILED_VECTORS, COMPILED_PIECES = (1.75, 1), 2.5
+#: many of its largest bucket's vectors and, under the all-sum, times its
+#: reduced pieces' bytes, by reduce-scatter (measured, not derived; perhaps
+#: its fused kernels let MLX queue further ahead). Fitted (mlx 0.32.4) as the
+#: least that keeps each recorded compiled ``fsdp_step`` point 2% below the
+#: plan, or as close as it already was: on 108 points (2026-11-29), 2 vectors
+#: and 2 pieces; on 387 (2026-12-01; ring N=2, MPI N=3 to 8; the MLP, the GPT
+#: and mlx-lm's Llama; six optimizers), these, bound by Adafactor on the MLP
+#: 4 x 512 at ring N=2 and Lion on the MLP 4 x 256 at MPI N=4 (both 1.021x):
+#: 173 of them above 1.3x, 211 before (docs/memory-planner-history.md).
+COMPILED_VECTORS = {"exchange": 1.75, "all_sum": 1, "native": 1}
+COMPILED_PIECES = {"exchange": 0, "all_sum": 2.5, "native": 2.5}
 
 
 def compiled_paced(paced: RankMemory, buckets: Sequence[BucketBytes], pieces: int,
@@ -89,9 +89,8 @@ def compiled_paced(paced: RankMemory, buckets: Sequence[BucketBytes], pieces: in
     add (:data:`COMPILED_VECTORS`); ``pieces``: the reduced pieces' bytes,
     ``method``: the reduce-scatter's. The caller keeps the unpaced count
     where that is less, and alone where a bucket is all-summed."""
-    summed = method != "exchange"
-    extra = int(COMPILED_VECTORS[summed] * max((b.vector for b in buckets), default=0)
-                + summed * COMPILED_PIECES * pieces)
+    extra = int(COMPILED_VECTORS[method] * max((b.vector for b in buckets), default=0)
+                + COMPILED_PIECES[method] * pieces)
     return replace(paced, communication=paced.communication + extra)
 
 
