@@ -57,9 +57,20 @@ from .layout import empty_of
 QUEUE_DEPTH = 32
 
 
+def paced_on(device: str) -> bool:
+    """Whether evaluation is paced on ``device`` (``"cpu"`` or ``"gpu"``): on
+    the CPU, with ``QUEUE_DEPTH`` above 0. The memory planner's one test of it."""
+    return device == "cpu" and QUEUE_DEPTH > 0
+
+
+def unpaced_cpu(device: str) -> bool:
+    """Whether ``device`` is the CPU with its pacing turned off (``QUEUE_DEPTH`` 0)."""
+    return device == "cpu" and not paced_on(device)
+
+
 def pacing() -> bool:
-    """Whether evaluation is paced here: on the CPU, with ``QUEUE_DEPTH`` above 0."""
-    return QUEUE_DEPTH > 0 and mx.default_device() == mx.cpu
+    """Whether evaluation is paced here: :func:`paced_on` the default device."""
+    return paced_on("cpu" if mx.default_device() == mx.cpu else "gpu")
 
 
 def paced(arrays: Sequence[mx.array], traced: bool = False) -> List[mx.array]:

@@ -175,8 +175,7 @@ def cut(flat: Sequence[Tuple[str, mx.array]], trainable: Sequence[str], optimize
         device (str): ``"cpu"`` or ``"gpu"`` (see :data:`BLOCKS_ALIVE`). Default: ``"cpu"``.
     """
     trained = set(trainable)
-    alive_blocks = BLOCKS_ALIVE[device] if device != "cpu" or pace.QUEUE_DEPTH \
-        else UNPACED_BLOCKS_ALIVE
+    alive_blocks = UNPACED_BLOCKS_ALIVE if pace.unpaced_cpu(device) else BLOCKS_ALIVE[device]
     plans, gathered, loads = [], [], ()
     parts = split([p for p, _ in flat], wrap)
     for prefix, indices in parts:

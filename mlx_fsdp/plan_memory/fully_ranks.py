@@ -114,7 +114,7 @@ def fully_memory(name: str, floating, trainable: Sequence[str], param_bytes: int
                            key=lambda r: r.peak))
             continue
         backward.update(update_during_backward(device, held, grads, units, rank))
-        if device == "cpu" and not (compiled or pace.QUEUE_DEPTH):  # more units in flight
+        if pace.unpaced_cpu(device) and not compiled:  # more units in flight
             extra_units = UNPACED_UNITS - 1
             backward.update(communication=UNPACED_UNITS * units.communication,
                             full_gradients=backward["full_gradients"]

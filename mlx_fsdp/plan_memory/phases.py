@@ -35,7 +35,7 @@ def phases_apart(device: str, compiled: bool = False) -> bool:
     one apart (under the all-sum with what compiling added, where that is
     less: :func:`mlx_fsdp.plan_memory.fully_ranks.fully_memory`).
     """
-    return device == "cpu" and pace.QUEUE_DEPTH > 0 and not compiled
+    return pace.paced_on(device) and not compiled
 
 
 #: Buckets whose reduce-scatter buffers can be alive at once on an unpaced
@@ -64,8 +64,7 @@ def reduces_ahead(device: str, compiled: bool = False) -> int:
     whole, counted as unpaced (:func:`phases_apart`; at MPI N=3 with 1 MiB
     buckets the MLP 4 x 512's compiled step with SGD peaked at 16.04 MiB
     against 16.09 counted with one bucket, 2026-11-28)."""
-    unpaced = not pace.QUEUE_DEPTH or compiled
-    return UNPACED_REDUCES_AHEAD if device == "cpu" and unpaced else 1
+    return UNPACED_REDUCES_AHEAD if device == "cpu" and not phases_apart(device, compiled) else 1
 
 
 #: A step compiled whole on a paced CPU holds, beyond the paced count, this
@@ -292,7 +291,7 @@ def with_pass(step: RankMemory, activations: int, mode: str, device: str,
     sums). ``ddp_step`` (not paced), one process and a GPU count both at once.
     """
     counted = replace(step, activations=activations)
-    if mode != "fsdp" or world_size == 1 or device != "cpu" or not pace.QUEUE_DEPTH:
+    if mode != "fsdp" or world_size == 1 or not pace.paced_on(device):
         return counted
     return max(step, replace(counted, temporaries=0, new_parameters=0, communication=views,
                              freed=0), key=lambda r: r.peak)
