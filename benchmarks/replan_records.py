@@ -13,7 +13,12 @@ No step runs: it takes about 15 s on two CPU cores.
 
     python benchmarks/replan_records.py
     python benchmarks/replan_records.py --closest 10 --check
+    python benchmarks/replan_records.py --by size
 
+``--by`` groups the rows by set (the default), by optimizer, or by the
+measured peak's size (the fullest rank's), the CPU's points paced or
+compiled apart from the rest: how close the plan is on the steps a user
+plans for, not only on the small models that most points measure.
 ``--check`` exits with status 1 if any rank was measured above its plan:
 a planner change that does so has lost the upper bound somewhere it held.
 """
@@ -94,6 +99,33 @@ def ratios(record: dict, planned: List[int]) -> tuple:
             min(p / m for p, m in zip(planned, measured)))
 
 
+#: ``--by size``: the bands of the fullest rank's measured peak, in MiB.
+SIZES = (16, 64)
+
+
+def group_of(record: dict, by: str) -> str:
+    """The row a record counts in, grouped ``by`` ``"set"``, ``"optimizer"`` or
+    ``"size"``: the optimizer, or the band of its measured peak, of the CPU's
+    paced and compiled points, with the unpaced and the GPU's apart."""
+    if by == "set":
+        return set_of(record)
+    if record["device"] == "gpu" or record["config"].get("unpaced"):
+        return "unpaced or on a GPU"
+    if by == "optimizer":
+        return record["optimizer"]
+    mib = max(record["measured"]) / 2**20
+    low = max((s for s in SIZES if s <= mib), default=0)
+    high = min((s for s in SIZES if s > mib), default=None)
+    return (f"{low} to {high} MiB" if low else f"under {high} MiB") if high else \
+        f"{low} MiB and more"
+
+
+def _band(name: str) -> tuple:
+    # The size rows in order of size, the unpaced and the GPU's last.
+    first = name.split()[0]
+    return name.startswith("unpaced"), int(first) if first.isdigit() else 0
+
+
 def summary(name: str, rows: List[tuple]) -> str:
     """One markdown row: points, the range and median of planned / measured,
     how many above :data:`TIGHT`, and how many with a rank above its plan."""
@@ -111,6 +143,9 @@ def main(argv=None):
     p.add_argument("--closest", type=int, default=5,
                    help="also list the points whose closest rank is nearest its plan "
                    "(default 5)")
+    p.add_argument("--by", choices=("set", "optimizer", "size"), default="set",
+                   help="the rows: per set, per optimizer or per band of the measured peak "
+                   "(the CPU's paced and compiled points; default set)")
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 if any rank was measured above its plan")
     args = p.parse_args(argv)
@@ -119,16 +154,17 @@ def main(argv=None):
         rows.append((record, ratios(record, replan(record, models))))
     sets = {}
     for record, r in rows:
-        sets.setdefault(set_of(record), []).append(r)
+        sets.setdefault(group_of(record, args.by), []).append(r)
     print(f"{len(rows)} recorded points ({args.records}), re-planned with this checkout's "
           "planner; planned / measured peak of the fullest rank:")
-    print(f"| set | points | planned / measured | median | above {TIGHT}x | "
+    print(f"| {args.by} | points | planned / measured | median | above {TIGHT}x | "
           "a rank above its plan |")
     print("|---|---:|---|---:|---:|---:|")
-    for name in sorted(sets):
+    for name in sorted(sets, key=lambda n: _band(n) if args.by == "size" else (False, n)):
         print(summary(name, sets[name]))
     print(summary("all", [r for _, r in rows]))
-    print(f"closest ranks (a rank's plan / its measured peak), {args.closest} nearest:")
+    if args.closest:
+        print(f"closest ranks (a rank's plan / its measured peak), {args.closest} nearest:")
     for record, (_, closest) in sorted(rows, key=lambda x: x[1][1])[:args.closest]:
         print(f"  {closest:.4f}  {describe(record)}")
     if args.check and any(c < 1 for _, (_, c) in rows):

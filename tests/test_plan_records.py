@@ -7,6 +7,7 @@ once measured fails here, without running a step.
 """
 
 import importlib.util
+import json
 import statistics
 import sys
 
@@ -76,3 +77,39 @@ def test_the_plan_stays_as_close_as_recorded(replanned):
     assert max(f for f, k in fullest if k == "paced") <= 2.25
     assert max(f for f, k in fullest if k == "unpaced") <= 3.25
     assert max(f for f, k in fullest if k == "gpu") <= 5.0
+
+
+def test_the_plan_is_closest_on_the_largest_steps(replanned):
+    """On the CPU's paced and compiled points, the steps that peaked at 64 MiB or
+    more, which most resemble what a user plans for, read closest: held where
+    they stand (2026-12-01, session 53: 142 points, median 1.186x, 20 above
+    1.3x), as ``replan_records.py --by size`` prints them."""
+    large = [max(p) / max(r["measured"]) for r, p in replanned
+             if rr.group_of(r, "size") == "64 MiB and more"]
+    assert len(large) >= 100
+    assert statistics.median(large) <= 1.19
+    assert sum(f > rr.TIGHT for f in large) <= 0.15 * len(large)
+
+
+def test_replan_groups_points_by_size_and_by_optimizer(tmp_path, capsys):
+    """``--by size`` puts a point in the band of its fullest rank's measured peak,
+    ``--by optimizer`` under its optimizer, each with the CPU's unpaced and the
+    GPU's points apart; every point is counted once."""
+    def record(peak_mib, device="cpu", unpaced=False):
+        return {"device": device, "optimizer": "sgd", "measured": [1, int(peak_mib * 2**20)],
+                "config": {"unpaced": unpaced}}
+    bands = [rr.group_of(record(m), "size") for m in (3, 16, 40, 64, 300)]
+    assert bands == ["under 16 MiB", "16 to 64 MiB", "16 to 64 MiB", "64 MiB and more",
+                     "64 MiB and more"]
+    assert rr.group_of(record(300, "gpu"), "size") == "unpaced or on a GPU"
+    assert rr.group_of(record(3, unpaced=True), "optimizer") == "unpaced or on a GPU"
+    assert rr.group_of(record(3), "optimizer") == "sgd"
+
+    few = [r for r in rr.load() if r["model"] == "mlp"][:3]
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in few))
+    rr.main(["--records", str(path), "--by", "size", "--closest", "0"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| size |")
+    counts = [int(row.split("|")[2]) for row in rows[1:-1]]
+    assert sum(counts) == int(rows[-1].split("|")[2]) == 3
