@@ -177,6 +177,7 @@ def describe(record: dict) -> str:
     shape = {"mlp": f"{c['layers']}x{c['hidden']}"}.get(record["model"],
                                                          f"{c['gpt_layers']}x{c['dims']}")
     flags = [f for f, on in (("on a GPU", record["device"] == "gpu"), ("compiled", c["compile"]),
+                             ("unpaced", c.get("unpaced", False)),
                              (c["dtype"], c["dtype"] != "float32"),
                              ("reshard", record["reshard_after_forward"]),
                              (f"max-norm {c['max_norm']}", c["max_norm"] is not None),
