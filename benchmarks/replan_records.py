@@ -9,7 +9,7 @@ This script plans every point again with this checkout's planner, as
 set (``ddp_step``, ``fsdp_step`` and fully sharded, eager and compiled),
 how far the plan is above the measured peak: that of the fullest rank
 (planned / measured), and whether any rank peaked above its own plan.
-No step runs: it takes about 15 s on two CPU cores.
+No step runs: it takes about 20 s on two CPU cores.
 
     python benchmarks/replan_records.py
     python benchmarks/replan_records.py --closest 10 --check
@@ -19,6 +19,7 @@ No step runs: it takes about 15 s on two CPU cores.
 measured peak's size (the fullest rank's), the CPU's points paced or
 compiled apart from the rest: how close the plan is on the steps a user
 plans for, not only on the small models that most points measure.
+
 ``--check`` exits with status 1 if any rank was measured above its plan:
 a planner change that does so has lost the upper bound somewhere it held.
 """
@@ -114,16 +115,14 @@ def group_of(record: dict, by: str) -> str:
     if by == "optimizer":
         return record["optimizer"]
     mib = max(record["measured"]) / 2**20
-    low = max((s for s in SIZES if s <= mib), default=0)
-    high = min((s for s in SIZES if s > mib), default=None)
-    return (f"{low} to {high} MiB" if low else f"under {high} MiB") if high else \
-        f"{low} MiB and more"
+    return bands()[sum(mib >= s for s in SIZES)]
 
 
-def _band(name: str) -> tuple:
-    # The size rows in order of size, the unpaced and the GPU's last.
-    first = name.split()[0]
-    return name.startswith("unpaced"), int(first) if first.isdigit() else 0
+def bands() -> List[str]:
+    """The names of the ``--by size`` rows, smallest first."""
+    edges = list(zip(SIZES, SIZES[1:]))
+    return [f"under {SIZES[0]} MiB", *(f"{a} to {b} MiB" for a, b in edges),
+            f"{SIZES[-1]} MiB and more"]
 
 
 def summary(name: str, rows: List[tuple]) -> str:
@@ -160,7 +159,8 @@ def main(argv=None):
     print(f"| {args.by} | points | planned / measured | median | above {TIGHT}x | "
           "a rank above its plan |")
     print("|---|---:|---|---:|---:|---:|")
-    for name in sorted(sets, key=lambda n: _band(n) if args.by == "size" else (False, n)):
+    order = bands() if args.by == "size" else sorted(sets)
+    for name in [n for n in order if n in sets] + sorted(set(sets) - set(order)):
         print(summary(name, sets[name]))
     print(summary("all", [r for _, r in rows]))
     if args.closest:
